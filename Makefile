@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Each sets itself up on a fresh
+# machine: a .venv, the right torch (the CPU build where there is no NVIDIA driver), the build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU-only machine takes torch's CPU build (an unpinned torch pulls a multi-GB CUDA build).
+TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test install lint typecheck bench clean
+
+$(VENV)/.deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)" "triton>=3.2" numpy "pybind11>=2.13" "scikit-build-core>=0.10" \
+		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11"
+	touch $@
+
+install: $(VENV)/.deps
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+demo: install
+	$(PY) -m kvasync demo
+
+test: install
+	$(PY) -m pytest
+	$(VENV)/bin/ruff format --check kvasync kernels tests bench
+	$(VENV)/bin/ruff check kvasync kernels tests bench
+	$(VENV)/bin/mypy --strict
+
+bench: install
+	$(PY) bench/bench_alloc.py
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,53 @@
+// Backend: the virtual-memory driver under the page pool.
+//
+// Note [Backends]
+// ~~~~~~~~~~~~~~~
+// A backend owns `num_ranges()` reserved virtual ranges of `num_pages() * page_size()` bytes each
+// (one per (layer, K/V) buffer, or a single range for the contiguous layout). Page id `p` names the
+// bytes [p * page_size, (p + 1) * page_size) in *every* range: mapping page p maps it in all of
+// them at once, so one page id is one unit of physical memory of `page_size * num_ranges` bytes.
+//
+// Invariants:
+//  - map() and unmap() are called only by the mapper thread (and by close() once that thread has
+//    been joined), never with the pool lock held, and never call into Python.
+//  - map() is all-or-nothing: on failure no page of the call stays mapped in any range.
+//  - Failures are values (BackendResult), never abort(): the error string starts with the driver's
+//    error name (CUDA_ERROR_OUT_OF_MEMORY, ENOMEM, ...).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace kvasync {
+
+struct BackendResult {
+  bool ok = true;
+  std::string error;  // "<ERROR_NAME>: what failed", empty when ok
+
+  static BackendResult success() { return {}; }
+  static BackendResult failure(std::string error) { return {false, std::move(error)}; }
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual const char* name() const = 0;
+  virtual int64_t page_size() const = 0;
+  virtual int num_ranges() const = 0;
+  virtual int64_t num_pages() const = 0;
+  virtual uintptr_t range_base(int range) const = 0;
+  // The name this backend's driver gives to "out of physical memory" (used by fault injection).
+  virtual const char* out_of_memory_name() const = 0;
+
+  // Map pages [first, first + count) in every range, readable and writable. All or nothing.
+  virtual BackendResult map(int64_t first, int64_t count) = 0;
+  // Unmap pages [first, first + count) in every range and give their memory back.
+  virtual BackendResult unmap(int64_t first, int64_t count) = 0;
+};
+
+}  // namespace kvasync

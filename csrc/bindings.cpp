@@ -1,0 +1,206 @@
+// Python bindings of the C++ core: kvasync._core (stub: kvasync/_core.pyi).
+//
+// Every binding that can wait releases the GIL (close). The others hold the pool's mutex for
+// bookkeeping only. lock order: GIL -> PagePool::mutex_. Errors cross as kvasync._errors classes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <pybind11/numpy.h>
+
+#include <chrono>
+#include <thread>
+
+#include "errors.h"
+#include "fault_backend.h"
+#include "host_backend.h"
+#include "page_pool.h"
+
+namespace py = pybind11;
+using namespace kvasync;
+
+namespace {
+
+// The Python-facing owner of a pool: closing on destruction keeps a forgotten allocator from
+// leaving its mapper thread running.
+class PoolHandle {
+ public:
+  explicit PoolHandle(std::shared_ptr<PagePool> pool) : pool_(std::move(pool)) {}
+  ~PoolHandle() {
+    py::gil_scoped_release release;
+    pool_->close(1.0);
+  }
+  PagePool& operator*() { return *pool_; }
+  PagePool* operator->() { return pool_.get(); }
+
+ private:
+  std::shared_ptr<PagePool> pool_;
+};
+
+py::list to_list(const std::vector<int64_t>& blocks) {
+  py::list out(blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    out[i] = py::reinterpret_steal<py::object>(PyLong_FromLongLong(blocks[i]));
+  }
+  return out;
+}
+
+py::dict stats_dict(const PoolStats& s) {
+  py::dict d;
+  d["num_blocks"] = s.num_blocks;
+  d["used_blocks"] = s.used_blocks;
+  d["free_blocks"] = s.free_blocks;
+  d["mapped_pages"] = s.mapped_pages;
+  d["reserve_pages"] = s.reserve_pages;
+  d["mapping_pages"] = s.mapping_pages;
+  d["unmapping_pages"] = s.unmapping_pages;
+  d["unmapped_pages"] = s.unmapped_pages;
+  d["waiters"] = s.waiters;
+  d["queued_jobs"] = s.queued_jobs;
+  d["maps_done"] = s.maps_done;
+  d["unmaps_done"] = s.unmaps_done;
+  d["map_errors"] = s.map_errors;
+  d["dropped_jobs"] = s.dropped_jobs;
+  d["timeouts"] = s.timeouts;
+  d["limit_pages"] = s.limit_pages;
+  d["mapper_op"] = s.mapper_op.empty() ? py::object(py::none()) : py::object(py::str(s.mapper_op));
+  d["mapper_op_age_s"] = s.mapper_op_age_s;
+  d["last_error"] = s.last_error;
+  return d;
+}
+
+void register_errors() {
+  // Python's own classes, so that `except kvasync.OutOfBlocks` catches what C++ raises.
+  // Leaked on purpose: a static py::object would be released after the interpreter is gone.
+  static py::handle errors = py::module_::import("kvasync._errors").release();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfBlocksError& e) {
+      PyErr_SetString(errors.attr("OutOfBlocks").ptr(), e.what());
+    } catch (const AllocatorClosedError& e) {
+      PyErr_SetString(errors.attr("AllocatorClosed").ptr(), e.what());
+    } catch (const BackendError& e) {
+      PyErr_SetString(errors.attr("KVAsyncError").ptr(), e.what());
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "kvasync's C++ core: page pool, mapper thread and virtual-memory backends";
+  register_errors();
+
+  py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
+      .def_property_readonly("name", &Backend::name)
+      .def_property_readonly("page_size", &Backend::page_size)
+      .def_property_readonly("num_ranges", &Backend::num_ranges)
+      .def_property_readonly("num_pages", &Backend::num_pages)
+      .def("range_base", &Backend::range_base, py::arg("range"));
+
+  py::class_<HostBackend, Backend, std::shared_ptr<HostBackend>>(m, "HostBackend")
+      .def(py::init<int, int64_t, int64_t>(), py::arg("num_ranges"), py::arg("num_pages"),
+           py::arg("page_size"));
+
+  py::class_<FaultState, std::shared_ptr<FaultState>>(m, "FaultState")
+      .def(py::init<>())
+      .def("delay", [](FaultState& f, double s) { f.delay_ns = static_cast<int64_t>(s * 1e9); },
+           py::arg("seconds"))
+      .def("hang", [](FaultState& f) { f.hang = true; })
+      .def("fail", [](FaultState& f, int64_t count) { f.fail_count = count; }, py::arg("count"))
+      .def("release", &FaultState::release)
+      .def_property_readonly("hung_maps", [](const FaultState& f) { return f.hung_maps.load(); });
+
+  m.def("with_faults",
+        [](std::shared_ptr<Backend> inner, std::shared_ptr<FaultState> faults) -> std::shared_ptr<Backend> {
+          return std::make_shared<FaultBackend>(std::move(inner), std::move(faults));
+        },
+        py::arg("backend"), py::arg("faults"));
+
+  m.def("range_view",
+        [](std::shared_ptr<Backend> backend, int range) {
+          // A uint8 array over the whole reserved range; the capsule keeps the reservation alive
+          // as long as any view of it does.
+          auto* keep = new std::shared_ptr<Backend>(backend);
+          py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<Backend>*>(p); });
+          const py::ssize_t bytes = backend->num_pages() * backend->page_size();
+          auto* data = reinterpret_cast<uint8_t*>(backend->range_base(range));
+          return py::array_t<uint8_t>({bytes}, {1}, data, owner);
+        },
+        py::arg("backend"), py::arg("range"));
+
+  py::class_<PoolHandle>(m, "PagePool")
+      .def(py::init([](std::shared_ptr<Backend> backend, int64_t num_blocks,
+                       int64_t blocks_per_page, int64_t limit_pages, int64_t reserve_low,
+                       int64_t reserve_high, double default_timeout_s) {
+             PoolConfig config{num_blocks, blocks_per_page, limit_pages,
+                               reserve_low, reserve_high, default_timeout_s};
+             return new PoolHandle(PagePool::create(std::move(backend), config));
+           }),
+           py::arg("backend"), py::arg("num_blocks"), py::arg("blocks_per_page"),
+           py::arg("limit_pages"), py::arg("reserve_low"), py::arg("reserve_high"),
+           py::arg("default_timeout_s"))
+      .def("alloc",
+           [](PoolHandle& pool, int64_t n, double deadline) -> py::object {
+             auto result = pool->alloc(n, deadline);
+             if (auto* blocks = std::get_if<std::vector<int64_t>>(&result)) return to_list(*blocks);
+             return py::int_(std::get<int64_t>(result));
+           },
+           py::arg("n"), py::arg("deadline"))
+      .def("alloc_nowait",
+           [](PoolHandle& pool, int64_t n) -> py::object {
+             auto blocks = pool->alloc_nowait(n);
+             if (!blocks) return py::none();
+             return to_list(*blocks);
+           },
+           py::arg("n"))
+      .def("free", [](PoolHandle& pool, const std::vector<int64_t>& blocks) { pool->free(blocks); },
+           py::arg("blocks"))
+      .def("cancel",
+           [](PoolHandle& pool, int64_t id, bool timed_out) { return pool->cancel(id, timed_out); },
+           py::arg("request_id"), py::arg("timed_out"))
+      .def("drain",
+           [](PoolHandle& pool) {
+             std::vector<Completion> records = pool->drain();
+             py::list out(records.size());
+             for (size_t i = 0; i < records.size(); ++i) {
+               Completion& c = records[i];
+               out[i] = py::make_tuple(c.request_id, static_cast<int>(c.status), to_list(c.blocks),
+                                       c.message);
+             }
+             return out;
+           })
+      .def_property_readonly("completion_fd", [](PoolHandle& pool) { return pool->completion_fd(); })
+      .def("trim", [](PoolHandle& pool, double deadline) { return pool->trim(deadline); },
+           py::arg("deadline"))
+      .def("set_limit_pages",
+           [](PoolHandle& pool, int64_t pages, double deadline) {
+             return pool->set_limit_pages(pages, deadline);
+           },
+           py::arg("limit_pages"), py::arg("deadline"))
+      .def("close", [](PoolHandle& pool, double timeout) { return pool->close(timeout); },
+           py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](PoolHandle& pool) { return stats_dict(pool->stats()); })
+      .def("unallocated",
+           [](PoolHandle& pool, const std::vector<int64_t>& blocks) {
+             std::vector<int64_t> out;
+             for (int64_t b : blocks) {
+               if (!pool->is_allocated(b)) out.push_back(b);
+             }
+             return out;
+           },
+           py::arg("blocks"));
+
+  m.def("spin_holding_gil",
+        [](PoolHandle& pool, int64_t reserve_pages, double timeout_s) {
+          // For tests: busy-waits *without* releasing the GIL until the reserve holds
+          // `reserve_pages` pages or the timeout passes. Proves the mapper needs no GIL.
+          const auto give_up = std::chrono::steady_clock::now() +
+                               std::chrono::duration<double>(timeout_s);
+          while (std::chrono::steady_clock::now() < give_up) {
+            if (pool->stats().reserve_pages >= reserve_pages) return true;
+            std::this_thread::yield();
+          }
+          return false;
+        },
+        py::arg("pool"), py::arg("reserve_pages"), py::arg("timeout_s"));
+}

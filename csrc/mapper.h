@@ -1,0 +1,47 @@
+// Mapper: the dedicated thread that runs the page pool's map and unmap jobs.
+//
+// The thread is pure C++: it never calls Python, never takes the GIL, never owns a Python object.
+// It idles in poll() on an eventfd with a timeout (no condition variable), takes the earliest
+// deadline job from the pool, runs it against the backend in runs of consecutive pages (one call
+// per run, so the driver can batch), and hands the result back to the pool.
+// Stopping is bounded too: stop_and_join() waits for the thread's exit up to a deadline and
+// otherwise abandons it (detaches): a thread stuck in a driver call must not hang shutdown.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <thread>
+
+#include "backend.h"
+
+namespace kvasync {
+
+class PagePool;
+struct Job;
+
+class Mapper {
+ public:
+  Mapper();
+  ~Mapper();
+  Mapper(const Mapper&) = delete;
+  Mapper& operator=(const Mapper&) = delete;
+
+  void start(std::shared_ptr<PagePool> pool);
+  void wake();
+  // Returns true when the thread was joined, false when it was still busy at the deadline.
+  bool stop_and_join(double timeout_s);
+  bool joined() const { return joined_; }
+
+  static BackendResult run_job(Backend& backend, const Job& job);
+
+ private:
+  static void run(std::shared_ptr<PagePool> pool, Mapper* self);
+
+  std::atomic<bool> stopping_{false};
+  int wake_fd_ = -1;
+  int exited_fd_ = -1;
+  bool joined_ = false;
+  std::thread thread_;
+};
+
+}  // namespace kvasync

@@ -1,0 +1,538 @@
+#include "page_pool.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace kvasync {
+namespace {
+
+Clock::time_point to_time_point(double seconds) {
+  // Clamp so that a far deadline cannot overflow the clock's int64 nanoseconds.
+  const double clamped = std::min(seconds, 1e9);
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(clamped)));
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+const char* job_name(JobKind kind) {
+  switch (kind) {
+    case JobKind::kMapForRequest: return "map";
+    case JobKind::kRefill: return "refill";
+    case JobKind::kUnmap: return "unmap";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, PoolConfig config) {
+  std::shared_ptr<PagePool> pool(new PagePool(std::move(backend), config));
+  pool->mapper_.start(pool);
+  {
+    std::lock_guard<std::mutex> lock(pool->mutex_);
+    pool->plan_refill();  // start filling the reserve; nothing waits for it
+  }
+  return pool;
+}
+
+PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
+    : backend_(std::move(backend)), config_(config) {
+  const int64_t bpp = config.blocks_per_page;
+  if (config.num_blocks <= 0 || bpp <= 0) throw std::invalid_argument("empty pool");
+  const int64_t num_pages = (config.num_blocks + bpp - 1) / bpp;
+  if (num_pages > backend_->num_pages()) {
+    throw std::invalid_argument("pool needs more pages than the backend reserved");
+  }
+  if (config.limit_pages <= 0) throw std::invalid_argument("limit_pages must be positive");
+  if (config.reserve_low < 0 || config.reserve_high < config.reserve_low) {
+    throw std::invalid_argument("reserve watermarks must satisfy 0 <= low <= high");
+  }
+  pages_.resize(num_pages);
+  for (int64_t p = 0; p < num_pages; ++p) {
+    pages_[p].num_blocks = static_cast<int32_t>(std::min(bpp, config.num_blocks - p * bpp));
+    unmapped_.insert(unmapped_.end(), p);
+  }
+  count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
+  block_used_.assign(config.num_blocks, 0);
+}
+
+PagePool::~PagePool() = default;
+
+void PagePool::check_open() const {
+  if (closed_) throw AllocatorClosedError("the allocator is closed");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Accounting helpers (mutex_ held)
+
+int64_t PagePool::headroom_pages() const {
+  // Signed on purpose: a limit lowered below what is mapped gives a negative headroom, "none".
+  const int64_t committed = count_[(int)PageState::kMapping] + count_[(int)PageState::kFree] +
+                            count_[(int)PageState::kInUse] + count_[(int)PageState::kUnmapping];
+  return config_.limit_pages - committed;
+}
+
+int64_t PagePool::available_to_newcomer() const {
+  // See Note [Waiters]: only the waiters' demand not covered by their own maps protects blocks.
+  const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming_for_waiters_);
+  return free_blocks_ - protected_blocks;
+}
+
+void PagePool::set_state(int64_t page, PageState state) {
+  Page& p = pages_[page];
+  count_[static_cast<int>(p.state)] -= 1;
+  count_[static_cast<int>(state)] += 1;
+  if (p.state == PageState::kFree) reserve_.erase(page);
+  if (p.state == PageState::kUnmapped) unmapped_.erase(page);
+  if (state == PageState::kFree) reserve_.insert(page);
+  if (state == PageState::kUnmapped) unmapped_.insert(page);
+  p.state = state;
+}
+
+void PagePool::add_mapped_blocks(int64_t page) {
+  Page& p = pages_[page];
+  p.used = 0;
+  p.free_slots.clear();
+  // Pushed in reverse so that slots are handed out lowest first.
+  for (int32_t slot = p.num_blocks - 1; slot >= 0; --slot) p.free_slots.push_back(slot);
+  free_blocks_ += p.num_blocks;
+  with_free_.insert(page);
+}
+
+void PagePool::remove_mapped_blocks(int64_t page) {
+  Page& p = pages_[page];
+  free_blocks_ -= static_cast<int64_t>(p.free_slots.size());
+  p.free_slots.clear();
+  with_free_.erase(page);
+}
+
+std::vector<int64_t> PagePool::take_blocks(int64_t n) {
+  // Lowest page first, so that high pages empty out and can be unmapped.
+  std::vector<int64_t> out;
+  out.reserve(n);
+  const int64_t bpp = config_.blocks_per_page;
+  while (static_cast<int64_t>(out.size()) < n) {
+    const int64_t page = *with_free_.begin();
+    Page& p = pages_[page];
+    if (p.used == 0) set_state(page, PageState::kInUse);
+    while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {
+      const int64_t block = page * bpp + p.free_slots.back();
+      p.free_slots.pop_back();
+      block_used_[block] = 1;
+      out.push_back(block);
+      ++p.used;
+    }
+    if (p.free_slots.empty()) with_free_.erase(page);
+  }
+  free_blocks_ -= n;
+  used_blocks_ += n;
+  return out;
+}
+
+std::vector<int64_t> PagePool::claim_unmapped(int64_t max_blocks, int64_t max_pages) {
+  std::vector<int64_t> claimed;
+  int64_t blocks = 0;
+  while (blocks < max_blocks && static_cast<int64_t>(claimed.size()) < max_pages &&
+         !unmapped_.empty()) {
+    const int64_t page = *unmapped_.begin();
+    set_state(page, PageState::kMapping);
+    blocks += pages_[page].num_blocks;
+    claimed.push_back(page);
+  }
+  return claimed;
+}
+
+void PagePool::push_job(Job job) {
+  jobs_[job.deadline].push_back(std::move(job));
+  mapper_.wake();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning (mutex_ held)
+
+void PagePool::serve_waiters() {
+  while (!waiters_.empty() && waiters_.front().n <= free_blocks_) {
+    Waiter waiter = waiters_.front();
+    waiters_.erase(waiters_.begin());
+    waiting_blocks_ -= waiter.n;
+    completions_.push({waiter.id, CompletionStatus::kOk, take_blocks(waiter.n), {}});
+  }
+}
+
+void PagePool::plan_maps() {
+  if (waiters_.empty() || closed_) return;
+  const int64_t deficit = waiting_blocks_ - free_blocks_ - incoming_for_waiters_;
+  const int64_t headroom = headroom_pages();
+  if (deficit <= 0 || headroom <= 0) return;  // covered, or waiting for blocks to be freed
+  // The job serves every waiter, so it lives as long as the latest of them.
+  Clock::time_point deadline = waiters_.front().deadline;
+  for (const Waiter& w : waiters_) deadline = std::max(deadline, w.deadline);
+  if (deadline <= Clock::now()) return;
+  std::vector<int64_t> pages = claim_unmapped(deficit, headroom);
+  if (pages.empty()) return;
+  for (int64_t page : pages) incoming_for_waiters_ += pages_[page].num_blocks;
+  push_job({JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline});
+}
+
+void PagePool::plan_refill() {
+  if (closed_ || config_.reserve_high == 0) return;
+  const int64_t have = count_[(int)PageState::kFree] + refill_pages_;
+  if (have >= config_.reserve_low) return;
+  const int64_t want = std::min(config_.reserve_high - have, headroom_pages());
+  if (want <= 0) return;
+  std::vector<int64_t> pages = claim_unmapped(INT64_MAX, want);
+  if (pages.empty()) return;
+  refill_pages_ += static_cast<int64_t>(pages.size());
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(config_.default_timeout_s));
+  push_job({JobKind::kRefill, 0, std::move(pages), deadline});
+}
+
+void PagePool::plan_unmaps() {
+  if (!waiters_.empty() || closed_) return;  // free blocks go to waiters first
+  const int64_t reserve = count_[(int)PageState::kFree];
+  // Pages mapped beyond a lowered limit, less those already on their way out.
+  const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  const int64_t excess = std::min(reserve, std::max(reserve - config_.reserve_high, over_limit));
+  if (excess <= 0) return;
+  std::vector<int64_t> pages;
+  for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < excess; ++it) {
+    pages.push_back(*it);  // highest first: allocation packs into the lowest pages
+  }
+  std::sort(pages.begin(), pages.end());
+  for (int64_t page : pages) {
+    remove_mapped_blocks(page);
+    set_state(page, PageState::kUnmapping);
+  }
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(config_.default_timeout_s));
+  push_job({JobKind::kUnmap, 0, std::move(pages), deadline});
+}
+
+// ---------------------------------------------------------------------------------------------
+// The caller's side
+
+std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double deadline_s) {
+  if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  const int64_t limit_blocks = config_.limit_pages * config_.blocks_per_page;
+  if (n > config_.num_blocks || n > limit_blocks) {
+    throw OutOfBlocksError(
+        "alloc of " + std::to_string(n) + " blocks can never fit: capacity is " +
+        std::to_string(config_.num_blocks) + " blocks and the memory limit allows " +
+        std::to_string(std::min(limit_blocks, config_.num_blocks)) +
+        "; raise max_blocks or memory_limit, or allocate fewer blocks at a time");
+  }
+  if (n <= available_to_newcomer()) {
+    std::vector<int64_t> blocks = take_blocks(n);
+    plan_refill();
+    return blocks;
+  }
+  const int64_t id = next_request_id_++;
+  waiters_.push_back({id, n, to_time_point(deadline_s)});
+  waiting_blocks_ += n;
+  plan_maps();
+  plan_refill();
+  return id;
+}
+
+std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
+  if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  if (n > available_to_newcomer()) {
+    plan_refill();  // so that a later attempt may find the blocks mapped
+    return std::nullopt;
+  }
+  std::vector<int64_t> blocks = take_blocks(n);
+  plan_refill();
+  return blocks;
+}
+
+void PagePool::free(const std::vector<int64_t>& blocks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Validate everything before changing anything: mark each block 2 ("seen") on the way, undo.
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t block = blocks[i];
+    const bool in_range = block >= 0 && block < config_.num_blocks;
+    const uint8_t state = in_range ? block_used_[block] : 0;
+    if (state != 1) {
+      for (size_t j = 0; j < i; ++j) block_used_[blocks[j]] = 1;
+      if (!in_range) {
+        throw std::invalid_argument("free: block id " + std::to_string(block) +
+                                    " is out of range [0, " + std::to_string(config_.num_blocks) +
+                                    "); nothing was freed");
+      }
+      throw std::invalid_argument("free: block " + std::to_string(block) +
+                                  (state == 2 ? " appears twice" : " is not allocated") +
+                                  "; nothing was freed");
+    }
+    block_used_[block] = 2;
+  }
+  const int64_t bpp = config_.blocks_per_page;
+  for (int64_t block : blocks) {
+    block_used_[block] = 0;
+    const int64_t page = block / bpp;
+    Page& p = pages_[page];
+    p.free_slots.push_back(static_cast<int32_t>(block % bpp));
+    if (p.free_slots.size() == 1) with_free_.insert(page);
+    if (--p.used == 0) set_state(page, PageState::kFree);
+  }
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  used_blocks_ -= n;
+  free_blocks_ += n;
+  if (closed_) return;
+  serve_waiters();
+  plan_unmaps();
+}
+
+std::string PagePool::describe_wait(const Waiter& waiter) const {
+  std::ostringstream out;
+  out << waiter.n << " blocks";
+  size_t ahead = 0;
+  while (ahead < waiters_.size() && waiters_[ahead].id != waiter.id) ++ahead;
+  if (ahead > 0) out << ", queued behind " << ahead << " earlier request(s)";
+  const int64_t mapping = count_[(int)PageState::kMapping];
+  if (mapping > 0) out << ", " << mapping << " page(s) mapping";
+  if (current_job_) {
+    out << " (mapper busy on " << job_name(current_job_->kind) << " of "
+        << current_job_->pages.size() << " page(s) for " << seconds_since(current_job_start_)
+        << " s)";
+  }
+  if (headroom_pages() <= 0 && mapping == 0) {
+    out << ", at the memory limit of " << config_.limit_pages << " page(s) with " << free_blocks_
+        << " free block(s): waiting for blocks to be freed";
+  }
+  return out.str();
+}
+
+std::optional<std::string> PagePool::cancel(int64_t request_id, bool timed_out) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = std::find_if(waiters_.begin(), waiters_.end(),
+                         [&](const Waiter& w) { return w.id == request_id; });
+  if (it == waiters_.end()) return std::nullopt;
+  std::string what = describe_wait(*it);
+  waiting_blocks_ -= it->n;
+  waiters_.erase(it);
+  if (timed_out) ++timeouts_;
+  serve_waiters();  // the head may have been the one blocking the others
+  plan_unmaps();
+  return what;
+}
+
+void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const std::string& message) {
+  auto it = std::find_if(waiters_.begin(), waiters_.end(),
+                         [&](const Waiter& w) { return w.id == request_id; });
+  if (it == waiters_.end()) return;
+  waiting_blocks_ -= it->n;
+  waiters_.erase(it);
+  completions_.push({request_id, status, {}, message});
+}
+
+int64_t PagePool::trim(double deadline_s) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  if (reserve_.empty() || !waiters_.empty()) return 0;
+  std::vector<int64_t> pages(reserve_.begin(), reserve_.end());
+  for (int64_t page : pages) {
+    remove_mapped_blocks(page);
+    set_state(page, PageState::kUnmapping);
+  }
+  const int64_t id = next_request_id_++;
+  push_job({JobKind::kUnmap, id, std::move(pages), to_time_point(deadline_s)});
+  return id;
+}
+
+int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
+  if (limit_pages <= 0) throw std::invalid_argument("the memory limit must allow at least one page");
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_open();
+  config_.limit_pages = limit_pages;
+  const int64_t limit_blocks = limit_pages * config_.blocks_per_page;
+  std::vector<int64_t> too_big;
+  for (const Waiter& w : waiters_) {
+    if (w.n > limit_blocks) too_big.push_back(w.id);
+  }
+  for (int64_t id : too_big) {
+    fail_waiter(id, CompletionStatus::kOutOfBlocks,
+                "the memory limit was lowered to " + std::to_string(limit_blocks) +
+                    " blocks, fewer than this request needs");
+  }
+  serve_waiters();
+  plan_maps();
+  const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  if (over <= 0 || !waiters_.empty() || reserve_.empty()) return 0;
+  std::vector<int64_t> pages;
+  for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < over; ++it) {
+    pages.push_back(*it);
+  }
+  std::sort(pages.begin(), pages.end());
+  for (int64_t page : pages) {
+    remove_mapped_blocks(page);
+    set_state(page, PageState::kUnmapping);
+  }
+  const int64_t id = next_request_id_++;
+  push_job({JobKind::kUnmap, id, std::move(pages), to_time_point(deadline_s)});
+  return id;
+}
+
+bool PagePool::close(double timeout_s) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return mapper_.joined();
+    closed_ = true;
+    for (auto& [deadline, jobs] : jobs_) {
+      for (const Job& job : jobs) revert_job(job);
+    }
+    jobs_.clear();
+    for (const Waiter& w : waiters_) {
+      completions_.push({w.id, CompletionStatus::kClosed, {}, "the allocator was closed"});
+    }
+    waiters_.clear();
+    waiting_blocks_ = 0;
+  }
+  const bool joined = mapper_.stop_and_join(timeout_s);
+  if (!joined) return false;  // the thread still owns the backend: leave the mappings alone
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t page = 0; page < static_cast<int64_t>(pages_.size()); ++page) {
+    const PageState state = pages_[page].state;
+    if (state == PageState::kFree || state == PageState::kInUse) {
+      backend_->unmap(page, 1);  // give the memory back; views over it now fault
+      remove_mapped_blocks(page);
+      set_state(page, PageState::kUnmapped);
+    }
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The mapper's side
+
+void PagePool::revert_job(const Job& job) {
+  for (int64_t page : job.pages) {
+    if (job.kind == JobKind::kUnmap) {
+      set_state(page, PageState::kFree);
+      add_mapped_blocks(page);
+    } else {
+      set_state(page, PageState::kUnmapped);
+      if (job.kind == JobKind::kMapForRequest) incoming_for_waiters_ -= pages_[page].num_blocks;
+    }
+  }
+  if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
+}
+
+std::optional<Job> PagePool::next_job() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_job_.reset();
+  const auto now = Clock::now();
+  while (!jobs_.empty()) {
+    auto first = jobs_.begin();
+    Job job = std::move(first->second.front());
+    first->second.erase(first->second.begin());
+    if (first->second.empty()) jobs_.erase(first);
+    if (job.deadline <= now) {
+      // Note [Mapper deadlines]: too late to help anyone; never reaches the backend.
+      ++dropped_jobs_;
+      revert_job(job);
+      if (job.request_id != 0 && job.kind == JobKind::kUnmap) {
+        completions_.push({job.request_id, CompletionStatus::kMapError, {},
+                           "unmap job dropped: its deadline passed before the mapper reached it"});
+      }
+      serve_waiters();
+      plan_maps();
+      continue;
+    }
+    current_job_ = job;
+    current_job_start_ = now;
+    return job;
+  }
+  return std::nullopt;
+}
+
+void PagePool::finish_job(const Job& job, const BackendResult& result) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  current_job_.reset();
+  const int64_t num_pages = static_cast<int64_t>(job.pages.size());
+  if (!result.ok) {
+    ++map_errors_;
+    last_error_ = result.error;
+  }
+  if (job.kind == JobKind::kUnmap) {
+    if (result.ok) {
+      for (int64_t page : job.pages) set_state(page, PageState::kUnmapped);
+      unmaps_done_ += num_pages;
+    } else {
+      revert_job(job);  // still mapped as far as we can tell: keep serving it
+    }
+    if (job.request_id != 0) {
+      completions_.push({job.request_id,
+                         result.ok ? CompletionStatus::kOk : CompletionStatus::kMapError, {},
+                         result.error});
+    }
+  } else if (result.ok) {
+    for (int64_t page : job.pages) {
+      set_state(page, PageState::kFree);
+      add_mapped_blocks(page);
+      if (job.kind == JobKind::kMapForRequest) incoming_for_waiters_ -= pages_[page].num_blocks;
+    }
+    if (job.kind == JobKind::kRefill) refill_pages_ -= num_pages;
+    maps_done_ += num_pages;
+  } else {
+    revert_job(job);
+    if (job.kind == JobKind::kMapForRequest) {
+      fail_waiter(job.request_id, CompletionStatus::kMapError,
+                  "mapping " + std::to_string(num_pages) + " page(s) failed: " + result.error);
+    }
+  }
+  if (closed_) return;
+  serve_waiters();
+  if (result.ok) plan_maps();  // after a failure, other waiters replan on their next event
+  plan_unmaps();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+PoolStats PagePool::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PoolStats s{};
+  s.num_blocks = config_.num_blocks;
+  s.used_blocks = used_blocks_;
+  s.free_blocks = free_blocks_;
+  s.mapped_pages = count_[(int)PageState::kFree] + count_[(int)PageState::kInUse];
+  s.reserve_pages = count_[(int)PageState::kFree];
+  s.mapping_pages = count_[(int)PageState::kMapping];
+  s.unmapping_pages = count_[(int)PageState::kUnmapping];
+  s.unmapped_pages = count_[(int)PageState::kUnmapped];
+  s.waiters = static_cast<int64_t>(waiters_.size());
+  s.queued_jobs = 0;
+  for (const auto& entry : jobs_) s.queued_jobs += static_cast<int64_t>(entry.second.size());
+  s.maps_done = maps_done_;
+  s.unmaps_done = unmaps_done_;
+  s.map_errors = map_errors_;
+  s.dropped_jobs = dropped_jobs_;
+  s.timeouts = timeouts_;
+  s.limit_pages = config_.limit_pages;
+  s.mapper_op_age_s = 0.0;
+  if (current_job_) {
+    s.mapper_op = std::string(job_name(current_job_->kind)) + " of " +
+                  std::to_string(current_job_->pages.size()) + " page(s)";
+    s.mapper_op_age_s = seconds_since(current_job_start_);
+  }
+  s.last_error = last_error_;
+  return s;
+}
+
+bool PagePool::is_allocated(int64_t block) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return block >= 0 && block < config_.num_blocks && block_used_[block] == 1;
+}
+
+}  // namespace kvasync
