@@ -1,0 +1,71 @@
+"""AllocatorStats: a consistent snapshot of an allocator's state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AllocatorStats"]
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """One snapshot, taken under the pool's lock (so the counts agree with each other).
+
+    Pages are page ids: one page id is ``page_size`` bytes in every virtual range.
+    ``inflight_pages`` are the pages the mapper owns right now (mapping + unmapping); they are
+    never counted as free or as missing. ``mapper_op`` names the backend call the mapper is inside
+    (None when idle) and ``mapper_op_age`` how long it has been there: a stuck driver shows here.
+    """
+
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    mapped_pages: int
+    reserve_pages: int
+    inflight_pages: int
+    mapping_pages: int
+    unmapping_pages: int
+    waiters: int
+    queued_jobs: int
+    maps_done: int
+    unmaps_done: int
+    map_errors: int
+    dropped_jobs: int
+    timeouts: int
+    memory_limit_pages: int
+    page_bytes: int
+    mapper_op: str | None
+    mapper_op_age: float
+    last_error: str
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Physical memory mapped now, in bytes."""
+        return self.mapped_pages * self.page_bytes
+
+    @classmethod
+    def from_core(cls, raw: dict[str, Any], page_bytes: int) -> AllocatorStats:
+        """Builds a snapshot from ``_core.PagePool.stats()``."""
+        return cls(
+            num_blocks=raw["num_blocks"],
+            used_blocks=raw["used_blocks"],
+            free_blocks=raw["free_blocks"],
+            mapped_pages=raw["mapped_pages"],
+            reserve_pages=raw["reserve_pages"],
+            inflight_pages=raw["mapping_pages"] + raw["unmapping_pages"],
+            mapping_pages=raw["mapping_pages"],
+            unmapping_pages=raw["unmapping_pages"],
+            waiters=raw["waiters"],
+            queued_jobs=raw["queued_jobs"],
+            maps_done=raw["maps_done"],
+            unmaps_done=raw["unmaps_done"],
+            map_errors=raw["map_errors"],
+            dropped_jobs=raw["dropped_jobs"],
+            timeouts=raw["timeouts"],
+            memory_limit_pages=raw["limit_pages"],
+            page_bytes=page_bytes,
+            mapper_op=raw["mapper_op"],
+            mapper_op_age=raw["mapper_op_age_s"],
+            last_error=raw["last_error"],
+        )

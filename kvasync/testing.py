@@ -1,0 +1,51 @@
+"""Test support: inject delays, hangs and failures into the mapper thread's backend calls."""
+
+from __future__ import annotations
+
+from . import _core
+
+__all__ = ["FaultInjector"]
+
+
+class FaultInjector:
+    """Delays, hangs or fails the backend's maps, inside the mapper thread.
+
+    Pass it as ``Config(faults=...)``. Settings take effect for the next backend call and can be
+    changed while the allocator runs.
+    """
+
+    def __init__(self) -> None:
+        self._state = _core.FaultState()
+
+    def delay(self, seconds: float) -> None:
+        """Make each map and unmap take ``seconds`` longer.
+
+        Raises:
+            ValueError: ``seconds`` is negative or not finite.
+        """
+        if not 0.0 <= seconds < float("inf"):
+            raise ValueError(f"delay must be a finite number of seconds >= 0, got {seconds!r}")
+        self._state.delay(seconds)
+
+    def hang(self) -> None:
+        """Make maps block inside the mapper thread until ``release()``."""
+        self._state.hang()
+
+    def fail(self, count: int = 1) -> None:
+        """Make the next ``count`` maps fail as the driver's out-of-memory error.
+
+        Raises:
+            ValueError: ``count`` is not a positive int.
+        """
+        if type(count) is not int or count <= 0:
+            raise ValueError(f"count must be a positive int, got {count!r}")
+        self._state.fail(count)
+
+    def release(self) -> None:
+        """End a hang and clear the delay and any pending failures."""
+        self._state.release()
+
+    @property
+    def hung_maps(self) -> int:
+        """Maps blocked by ``hang()`` right now (lets a test wait for the hang to bite)."""
+        return int(self._state.hung_maps)
