@@ -15,6 +15,7 @@
 //    error name (CUDA_ERROR_OUT_OF_MEMORY, ENOMEM, ...).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -48,6 +49,16 @@ class Backend {
   virtual BackendResult map(int64_t first, int64_t count) = 0;
   // Unmap pages [first, first + count) in every range and give their memory back.
   virtual BackendResult unmap(int64_t first, int64_t count) = 0;
+
+  // Fences: opaque handles of device work that used some pages (a CUevent on cuda), handed to
+  // free(). The pool owns each fence it is given and calls release_fence() once when no page
+  // holds it any more. Before unmapping a page the mapper waits for its fences, polling until
+  // `deadline` (Note [Unmap safety] in page_pool.h). Backends without device work have none.
+  virtual BackendResult wait_fence(uintptr_t /*fence*/,
+                                   std::chrono::steady_clock::time_point /*deadline*/) {
+    return BackendResult::success();
+  }
+  virtual void release_fence(uintptr_t /*fence*/) {}
 };
 
 }  // namespace kvasync

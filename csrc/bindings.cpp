@@ -153,8 +153,11 @@ PYBIND11_MODULE(_core, m) {
              return to_list(*blocks);
            },
            py::arg("n"))
-      .def("free", [](PoolHandle& pool, const std::vector<int64_t>& blocks) { pool->free(blocks); },
-           py::arg("blocks"))
+      .def("free",
+           [](PoolHandle& pool, const std::vector<int64_t>& blocks, uintptr_t fence) {
+             pool->free(blocks, fence);
+           },
+           py::arg("blocks"), py::arg("fence") = 0)
       .def("cancel",
            [](PoolHandle& pool, int64_t id, bool timed_out) { return pool->cancel(id, timed_out); },
            py::arg("request_id"), py::arg("timed_out"))

@@ -46,6 +46,11 @@ class FaultBackend final : public Backend {
   uintptr_t range_base(int range) const override { return inner_->range_base(range); }
   const char* out_of_memory_name() const override { return inner_->out_of_memory_name(); }
 
+  BackendResult wait_fence(uintptr_t fence, std::chrono::steady_clock::time_point deadline) override {
+    return inner_->wait_fence(fence, deadline);
+  }
+  void release_fence(uintptr_t fence) override { inner_->release_fence(fence); }
+
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
 

@@ -75,6 +75,10 @@ bool Mapper::stop_and_join(double timeout_s) {
 BackendResult Mapper::run_job(Backend& backend, const Job& job) {
   // One backend call per run of consecutive pages, so the driver sees batches.
   const bool mapping = job.kind != JobKind::kUnmap;
+  for (uintptr_t fence : job.fences) {  // Note [Unmap safety]
+    BackendResult idle = backend.wait_fence(fence, job.deadline);
+    if (!idle.ok) return idle;
+  }
   BackendResult first_error;
   size_t start = 0;
   std::vector<std::pair<int64_t, int64_t>> done;

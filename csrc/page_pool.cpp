@@ -149,6 +149,34 @@ std::vector<int64_t> PagePool::claim_unmapped(int64_t max_blocks, int64_t max_pa
   return claimed;
 }
 
+Job PagePool::make_unmap_job(std::vector<int64_t> pages, int64_t request_id,
+                             Clock::time_point deadline) {
+  std::sort(pages.begin(), pages.end());
+  Job job{JobKind::kUnmap, request_id, {}, deadline, {}};
+  for (int64_t page : pages) {
+    remove_mapped_blocks(page);
+    set_state(page, PageState::kUnmapping);
+    const std::vector<uintptr_t>& fences = pages_[page].fences;
+    job.fences.insert(job.fences.end(), fences.begin(), fences.end());
+  }
+  std::sort(job.fences.begin(), job.fences.end());
+  job.fences.erase(std::unique(job.fences.begin(), job.fences.end()), job.fences.end());
+  job.pages = std::move(pages);
+  return job;
+}
+
+void PagePool::drop_fences(const std::vector<int64_t>& pages) {
+  for (int64_t page : pages) {
+    for (uintptr_t fence : pages_[page].fences) {
+      if (--fence_refs_[fence] == 0) {
+        fence_refs_.erase(fence);
+        backend_->release_fence(fence);
+      }
+    }
+    pages_[page].fences.clear();
+  }
+}
+
 void PagePool::push_job(Job job) {
   jobs_[job.deadline].push_back(std::move(job));
   mapper_.wake();
@@ -206,14 +234,9 @@ void PagePool::plan_unmaps() {
   for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < excess; ++it) {
     pages.push_back(*it);  // highest first: allocation packs into the lowest pages
   }
-  std::sort(pages.begin(), pages.end());
-  for (int64_t page : pages) {
-    remove_mapped_blocks(page);
-    set_state(page, PageState::kUnmapping);
-  }
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(config_.default_timeout_s));
-  push_job({JobKind::kUnmap, 0, std::move(pages), deadline});
+  push_job(make_unmap_job(std::move(pages), 0, deadline));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,7 +280,7 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
   return blocks;
 }
 
-void PagePool::free(const std::vector<int64_t>& blocks) {
+void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Validate everything before changing anything: mark each block 2 ("seen") on the way, undo.
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -282,10 +305,15 @@ void PagePool::free(const std::vector<int64_t>& blocks) {
     block_used_[block] = 0;
     const int64_t page = block / bpp;
     Page& p = pages_[page];
+    if (fence != 0 && (p.fences.empty() || p.fences.back() != fence)) {
+      p.fences.push_back(fence);
+      ++fence_refs_[fence];
+    }
     p.free_slots.push_back(static_cast<int32_t>(block % bpp));
     if (p.free_slots.size() == 1) with_free_.insert(page);
     if (--p.used == 0) set_state(page, PageState::kFree);
   }
+  if (fence != 0 && fence_refs_.count(fence) == 0) backend_->release_fence(fence);  // no blocks
   const int64_t n = static_cast<int64_t>(blocks.size());
   used_blocks_ -= n;
   free_blocks_ += n;
@@ -341,13 +369,8 @@ int64_t PagePool::trim(double deadline_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   if (reserve_.empty() || !waiters_.empty()) return 0;
-  std::vector<int64_t> pages(reserve_.begin(), reserve_.end());
-  for (int64_t page : pages) {
-    remove_mapped_blocks(page);
-    set_state(page, PageState::kUnmapping);
-  }
   const int64_t id = next_request_id_++;
-  push_job({JobKind::kUnmap, id, std::move(pages), to_time_point(deadline_s)});
+  push_job(make_unmap_job({reserve_.begin(), reserve_.end()}, id, to_time_point(deadline_s)));
   return id;
 }
 
@@ -374,13 +397,8 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < over; ++it) {
     pages.push_back(*it);
   }
-  std::sort(pages.begin(), pages.end());
-  for (int64_t page : pages) {
-    remove_mapped_blocks(page);
-    set_state(page, PageState::kUnmapping);
-  }
   const int64_t id = next_request_id_++;
-  push_job({JobKind::kUnmap, id, std::move(pages), to_time_point(deadline_s)});
+  push_job(make_unmap_job(std::move(pages), id, to_time_point(deadline_s)));
   return id;
 }
 
@@ -401,15 +419,33 @@ bool PagePool::close(double timeout_s) {
   }
   const bool joined = mapper_.stop_and_join(timeout_s);
   if (!joined) return false;  // the thread still owns the backend: leave the mappings alone
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (int64_t page = 0; page < static_cast<int64_t>(pages_.size()); ++page) {
-    const PageState state = pages_[page].state;
-    if (state == PageState::kFree || state == PageState::kInUse) {
-      backend_->unmap(page, 1);  // give the memory back; views over it now fault
-      remove_mapped_blocks(page);
-      set_state(page, PageState::kUnmapped);
+  std::vector<int64_t> unmapping;
+  std::set<uintptr_t> fences;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t page = 0; page < static_cast<int64_t>(pages_.size()); ++page) {
+      const PageState state = pages_[page].state;
+      if (state == PageState::kFree || state == PageState::kInUse) {
+        remove_mapped_blocks(page);
+        set_state(page, PageState::kUnmapping);
+        unmapping.push_back(page);
+        fences.insert(pages_[page].fences.begin(), pages_[page].fences.end());
+      }
     }
   }
+  // The mapper is gone, so this thread is the backend's only caller now; the lock is not held
+  // across these calls. Note [Unmap safety]: device work still using a page must finish first,
+  // within the timeout; otherwise the mappings stay (and go with the backend).
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  bool idle = true;
+  for (uintptr_t fence : fences) idle = backend_->wait_fence(fence, deadline).ok && idle;
+  if (idle) {
+    for (int64_t page : unmapping) backend_->unmap(page, 1);  // views over them now fault
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
+  drop_fences(unmapping);
   return true;
 }
 
@@ -468,6 +504,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result) {
   if (job.kind == JobKind::kUnmap) {
     if (result.ok) {
       for (int64_t page : job.pages) set_state(page, PageState::kUnmapped);
+      drop_fences(job.pages);
       unmaps_done_ += num_pages;
     } else {
       revert_job(job);  // still mapped as far as we can tell: keep serving it

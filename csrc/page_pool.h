@@ -25,6 +25,15 @@
 // The reserve refill never counts as incoming for a waiter (Note [Reserve] in DESIGN: the reserve
 // is an optimisation, never a dependency).
 //
+// Note [Unmap safety]
+// ~~~~~~~~~~~~~~~~~~~~
+// A mapping is never changed under running device work. free(blocks, fence) attaches the fence
+// (device work that still uses those blocks) to their pages; an unmap job carries its pages'
+// fences and the mapper waits for each, polled with the job's deadline (no device-wide sync),
+// before the backend call. A fence not done by then fails the job and the pages stay mapped.
+// Fences are reference-counted by the pages that hold them and released once, when the last of
+// those pages is unmapped (or at close).
+//
 // Note [Mapper deadlines]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // Jobs (map for a request, refill the reserve, unmap) carry a deadline and the mapper takes the
@@ -70,6 +79,7 @@ struct Job {
   int64_t request_id;          // the waiter it maps for, or a barrier to complete; 0 = none
   std::vector<int64_t> pages;  // ascending
   Clock::time_point deadline;
+  std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
 };
 
 struct PoolStats {
@@ -91,7 +101,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Hot path and waits. An alloc returns its blocks, or the id of the waiter it became.
   std::variant<std::vector<int64_t>, int64_t> alloc(int64_t n, double deadline_s);
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
-  void free(const std::vector<int64_t>& blocks);
+  // `fence` (0 = none) is device work still using the blocks; the pool takes ownership of it.
+  void free(const std::vector<int64_t>& blocks, uintptr_t fence = 0);
   // Removes a waiter. Returns what it was waiting for, or nothing when it is no longer waiting
   // (its completion is already queued). `timed_out` counts it in stats.
   std::optional<std::string> cancel(int64_t request_id, bool timed_out);
@@ -122,6 +133,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     int32_t num_blocks = 0;  // blocks of this page inside num_blocks (the last page may be short)
     int32_t used = 0;
     std::vector<int32_t> free_slots;  // stack of free block slots while mapped
+    std::vector<uintptr_t> fences;    // Note [Unmap safety]
   };
   struct Waiter {
     int64_t id;
@@ -139,6 +151,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void plan_unmaps();
   std::vector<int64_t> claim_unmapped(int64_t max_blocks, int64_t max_pages);
   void push_job(Job job);
+  Job make_unmap_job(std::vector<int64_t> pages, int64_t request_id, Clock::time_point deadline);
+  void drop_fences(const std::vector<int64_t>& pages);
   void set_state(int64_t page, PageState state);
   void add_mapped_blocks(int64_t page);
   void remove_mapped_blocks(int64_t page);
@@ -170,6 +184,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
   int64_t maps_done_ = 0, unmaps_done_ = 0, map_errors_ = 0, dropped_jobs_ = 0, timeouts_ = 0;
   std::string last_error_;
+  std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
   Clock::time_point current_job_start_;
 };

@@ -150,7 +150,7 @@ class Allocator:
         else:
             due = self._deadline(timeout, deadline)
         result = self._pool.alloc(n, due)
-        if result.__class__ is not list:
+        if isinstance(result, int):  # it became a waiter
             result = await self._wait(result, due, f"alloc of {n} blocks")
         if self._config.zero_on_alloc:
             self._zero_blocks(result)
@@ -175,10 +175,13 @@ class Allocator:
         result = self._pool.alloc_nowait(n)
         if result is None:
             if n > self._limit_blocks():
-                raise OutOfBlocks(f"alloc of {n} blocks can never fit: the limit is "
-                                  f"{self._limit_blocks()} blocks")
-            raise WouldBlock(f"{n} mapped free blocks are not available now "
-                             f"({self._pool.stats()['free_blocks']} free); use await alloc()")
+                raise OutOfBlocks(
+                    f"alloc of {n} blocks can never fit: the limit is {self._limit_blocks()} blocks"
+                )
+            raise WouldBlock(
+                f"{n} mapped free blocks are not available now "
+                f"({self._pool.stats()['free_blocks']} free); use await alloc()"
+            )
         if self._config.zero_on_alloc:
             self._zero_blocks(result)
         return result
@@ -297,7 +300,7 @@ class Allocator:
         self._loop.remove_reader(self._fd)
         self._on_completions()
         for request in list(self._pending):
-            self._settle(request, AllocatorClosed(f"the allocator was closed"), None)
+            self._settle(request, AllocatorClosed("the allocator was closed"), None)
 
     async def __aenter__(self) -> Allocator:
         return self
@@ -312,13 +315,16 @@ class Allocator:
             return self._num_pages
         pages = memory_limit // self._page_bytes
         if pages < 1:
-            raise ValueError(f"memory_limit {memory_limit} is below one page "
-                             f"({self._page_bytes} bytes across {self._layout.num_ranges} ranges)")
+            raise ValueError(
+                f"memory_limit {memory_limit} is below one page "
+                f"({self._page_bytes} bytes across {self._layout.num_ranges} ranges)"
+            )
         return min(pages, self._num_pages)
 
     def _limit_blocks(self) -> int:
         blocks_per_page = self._layout.blocks_per_page(self._config.page_size)
-        return min(self._pool.stats()["limit_pages"] * blocks_per_page, self.num_blocks)
+        limit_pages: int = self._pool.stats()["limit_pages"]
+        return min(limit_pages * blocks_per_page, self.num_blocks)
 
     @staticmethod
     def _check_timeout(timeout: float) -> float:
@@ -366,8 +372,9 @@ class Allocator:
         waiting_for = self._pool.cancel(request, True)
         waited = self._loop.time() - pending.started
         detail = f"waiting for {waiting_for}" if waiting_for else "its completion was in flight"
-        self._settle(request, AllocTimeout(f"{pending.what} timed out after {waited:.3f} s, "
-                                           f"{detail}"), None)
+        self._settle(
+            request, AllocTimeout(f"{pending.what} timed out after {waited:.3f} s, {detail}"), None
+        )
 
     def _settle(self, request: int, error: Exception | None, blocks: list[int] | None) -> None:
         pending = self._pending.pop(request)

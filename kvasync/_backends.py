@@ -28,7 +28,9 @@ def resolve_backend(config: Config) -> str:
         return "host"
     problem = cuda_driver_error()
     if config.backend == "cuda" and problem is not None:
-        raise KVAsyncError(f'backend="cuda" cannot be used: {problem}; use backend="host" or "auto"')
+        raise KVAsyncError(
+            f'backend="cuda" cannot be used: {problem}; use backend="host" or "auto"'
+        )
     return "host" if problem is not None else "cuda"
 
 

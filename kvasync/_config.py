@@ -56,18 +56,25 @@ class Config:
         if self.memory_limit is not None and (
             type(self.memory_limit) is not int or self.memory_limit <= 0
         ):
-            raise ValueError(f"Config.memory_limit must be a positive int or None, got "
-                             f"{self.memory_limit!r}")
+            raise ValueError(
+                f"Config.memory_limit must be a positive int or None, got {self.memory_limit!r}"
+            )
         if type(self.page_size) is not int or self.page_size <= 0 or self.page_size % 4096:
-            raise ValueError(f"Config.page_size must be a positive multiple of 4096, got "
-                             f"{self.page_size!r}")
+            raise ValueError(
+                f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
+            )
         low, high = self.reserve_pages
         if not (type(low) is int and type(high) is int and 0 <= low <= high):
-            raise ValueError(f"Config.reserve_pages must be (low, high) with 0 <= low <= high, "
-                             f"got {self.reserve_pages!r}")
+            raise ValueError(
+                f"Config.reserve_pages must be (low, high) with 0 <= low <= high, "
+                f"got {self.reserve_pages!r}"
+            )
         if not (math.isfinite(self.default_timeout) and self.default_timeout > 0):
-            raise ValueError(f"Config.default_timeout must be a finite positive number of "
-                             f"seconds, got {self.default_timeout!r}")
+            raise ValueError(
+                f"Config.default_timeout must be a finite positive number of "
+                f"seconds, got {self.default_timeout!r}"
+            )
         if not 0.0 < self.gpu_utilization <= 1.0:
-            raise ValueError(f"Config.gpu_utilization must be in (0, 1], got "
-                             f"{self.gpu_utilization!r}")
+            raise ValueError(
+                f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
+            )
