@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _core
-from ._backends import buffer_views, create_backend
+from ._backends import buffer_views, create_backend, make_fence
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
@@ -186,16 +186,22 @@ class Allocator:
             self._zero_blocks(result)
         return result
 
-    def free(self, ids: Sequence[int]) -> None:
+    def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """Returns blocks to the pool. Synchronous; never blocks.
 
         Args:
             ids: allocated block ids.
+            after: (cuda) a ``torch.cuda.Stream`` or ``torch.cuda.Event``: device work that still
+                reads or writes the blocks. Their pages are not unmapped before it completes.
 
         Raises:
-            ValueError: an id is out of range, not allocated, or repeated; nothing is freed then.
+            ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
+                usable here; nothing is freed then.
         """
-        self._pool.free(ids)
+        if after is None:
+            self._pool.free(ids)
+        else:
+            self._pool.free(ids, make_fence(self._backend, after))
 
     # -- memory -----------------------------------------------------------------------------
 

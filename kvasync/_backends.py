@@ -10,7 +10,7 @@ from ._config import Config
 from ._errors import KVAsyncError
 from ._layout import KVLayout
 
-__all__ = ["create_backend", "range_tensor", "resolve_backend"]
+__all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
 
 
 def cuda_driver_error() -> str | None:
@@ -75,3 +75,20 @@ def buffer_views(layout: KVLayout, backend: _core.Backend, num_blocks: int) -> l
         flat = range_tensor(backend, b).view(layout.dtype)
         views.append(flat.as_strided(shape, (layout.block_elements, *inner), 0))
     return views
+
+
+def make_fence(backend: _core.Backend, after: object) -> int:
+    """A fence handle for ``free(ids, after=...)``: device work that still uses the blocks.
+
+    The pool takes ownership of the handle (Note [Unmap safety] in csrc/page_pool.h).
+
+    Raises:
+        ValueError: ``after`` is given on a backend without device work, or is not a stream or
+            event of this allocator's device.
+    """
+    if after is None:
+        return 0
+    raise ValueError(
+        f"free(after=...) needs the cuda backend; this allocator uses {backend.name!r}, "
+        "where memory is never in use by device work"
+    )
