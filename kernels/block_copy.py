@@ -58,7 +58,7 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 _CHUNK_BYTES = 8192
 # Below this many bytes a chunk is too small to be worth avoiding a mask for.
 _MIN_EVEN_CHUNK_BYTES = 2048
-_NUM_WARPS = 4
+_NUM_WARPS = 4  # at most
 _MAX_ALIGN = 16
 _UNIT_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 _UNIT_TL = {4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -245,6 +245,7 @@ class _Launch:
     vecs_per_block: int
     block_stride_vecs: int
     num_chunks: int
+    num_warps: int
 
     @property
     def constexprs(self) -> dict[str, object]:
@@ -280,6 +281,8 @@ def _plan(table: BlockTable, *tensors: torch.Tensor) -> _Launch:
         vecs_per_block=units // vec,
         block_stride_vecs=table.block_stride_bytes // (unit_bytes * vec),
         num_chunks=triton.cdiv(units, block),
+        # Few enough threads that each one moves a whole vector (a small block, fewer warps).
+        num_warps=max(1, min(_NUM_WARPS, block // (32 * vec))),
     )
 
 
@@ -301,7 +304,7 @@ def gather_blocks(table: BlockTable, ids: torch.Tensor, out: torch.Tensor) -> No
         table.num_buffers,
         plan.vecs_per_block,
         plan.block_stride_vecs,
-        num_warps=_NUM_WARPS,
+        num_warps=plan.num_warps,
         **plan.constexprs,
     )
 
@@ -318,7 +321,7 @@ def scatter_blocks(table: BlockTable, ids: torch.Tensor, src: torch.Tensor) -> N
         table.num_buffers,
         plan.vecs_per_block,
         plan.block_stride_vecs,
-        num_warps=_NUM_WARPS,
+        num_warps=plan.num_warps,
         **plan.constexprs,
     )
 
@@ -332,7 +335,7 @@ def zero_blocks(table: BlockTable, ids: torch.Tensor) -> None:
         ids,
         plan.vecs_per_block,
         plan.block_stride_vecs,
-        num_warps=_NUM_WARPS,
+        num_warps=plan.num_warps,
         **plan.constexprs,
     )
 
@@ -348,6 +351,6 @@ def copy_blocks(table: BlockTable, src_ids: torch.Tensor, dst_ids: torch.Tensor)
         dst_ids,
         plan.vecs_per_block,
         plan.block_stride_vecs,
-        num_warps=_NUM_WARPS,
+        num_warps=plan.num_warps,
         **plan.constexprs,
     )
