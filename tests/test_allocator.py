@@ -1,0 +1,495 @@
+"""The core contract of kvasync.Allocator, on every backend (cuda runs where a GPU is present)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import wait_until
+
+import kvasync
+from kvasync.testing import FaultInjector
+
+BLOCKS_PER_PAGE = 512  # small_layout: 4 KiB blocks in 2 MiB pages
+
+
+def config(backend_name: str, **overrides: object) -> kvasync.Config:
+    settings: dict[str, object] = {"backend": backend_name, "max_blocks": 16 * BLOCKS_PER_PAGE}
+    settings.update(overrides)
+    return kvasync.Config(**settings)  # type: ignore[arg-type]
+
+
+async def test_alloc_returns_distinct_ids_in_range(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        first = await kv.alloc(8)
+        second = await kv.alloc(700, timeout=2.0)
+        third = kv.alloc_nowait(3)
+        every = first + second + third
+        assert len(set(every)) == len(every) == 711
+        assert all(0 <= block < kv.num_blocks for block in every)
+        assert kv.stats().used_blocks == 711
+        kv.free(every)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_alloc_of_mapped_free_blocks_completes_without_suspending(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        kv.free(await kv.alloc(1))  # the first page is now mapped
+        coroutine = kv.alloc(4)
+        with pytest.raises(StopIteration) as done:
+            coroutine.send(None)  # one step, no suspension: the result is already there
+        blocks = done.value.value
+        assert len(blocks) == 4
+        kv.free(blocks)
+
+
+async def test_blocks_are_packed_into_the_lowest_mapped_page_first(backend_name, small_layout):
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        blocks = await kv.alloc(BLOCKS_PER_PAGE + 10)
+        assert sorted(blocks) == list(range(BLOCKS_PER_PAGE + 10))
+        kv.free(blocks[:5])  # holes in page 0 are reused before page 1's free blocks
+        again = await kv.alloc(5)
+        assert sorted(again) == sorted(blocks[:5])
+        kv.free(blocks[5:] + again)
+
+
+async def test_alloc_maps_on_demand_with_the_reserve_disabled(backend_name, small_layout):
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        assert kv.stats().mapped_pages == 0
+        blocks = await kv.alloc(3 * BLOCKS_PER_PAGE)
+        stats = kv.stats()
+        assert stats.mapped_pages == 3
+        assert stats.maps_done == 3
+        assert stats.reserve_pages == 0
+        kv.free(blocks)
+        # With no reserve, pages that empty out are unmapped at once.
+        await wait_until(lambda: kv.stats().mapped_pages == 0 and kv.stats().inflight_pages == 0)
+        assert kv.stats().unmaps_done == 3
+
+
+async def test_reserve_refills_to_its_high_watermark_in_the_background(backend_name, small_layout):
+    cfg = config(backend_name, reserve_pages=(2, 5))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        await wait_until(lambda: kv.stats().reserve_pages == 5)
+        held = [kv.alloc_nowait(BLOCKS_PER_PAGE) for _ in range(4)]  # reserve 5 -> 1 < low 2
+        await wait_until(lambda: kv.stats().reserve_pages == 5)
+        assert kv.stats().mapped_pages == 9
+        for blocks in held:
+            kv.free(blocks)
+        # Above the high watermark: the excess is unmapped.
+        await wait_until(lambda: kv.stats().mapped_pages == 5 and kv.stats().inflight_pages == 0)
+
+
+@pytest.mark.parametrize("n", [0, -1])
+async def test_alloc_rejects_a_non_positive_count_and_changes_nothing(
+    backend_name, small_layout, n
+):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        before = kv.stats().used_blocks
+        with pytest.raises(ValueError, match="positive"):
+            await kv.alloc(n)
+        with pytest.raises(ValueError, match="positive"):
+            kv.alloc_nowait(n)
+        assert kv.stats().used_blocks == before
+        assert kv.stats().waiters == 0
+
+
+@pytest.mark.parametrize("timeout", [-0.1, math.nan, math.inf, -math.inf])
+async def test_alloc_rejects_a_bad_timeout(backend_name, small_layout, timeout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        with pytest.raises(ValueError, match="timeout"):
+            await kv.alloc(1, timeout=timeout)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_alloc_rejects_both_timeout_and_deadline(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(ValueError, match="not both"):
+            await kv.alloc(1, timeout=1.0, deadline=loop.time() + 1.0)
+        with pytest.raises(ValueError, match="deadline"):
+            await kv.alloc(1, deadline=math.nan)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_alloc_accepts_a_loop_time_deadline(backend_name, small_layout):
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        loop = asyncio.get_running_loop()
+        blocks = await kv.alloc(10, deadline=loop.time() + 2.0)
+        assert len(blocks) == 10
+        kv.free(blocks)
+
+
+async def test_free_of_a_block_not_allocated_raises_and_frees_nothing(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        blocks = await kv.alloc(4)
+        with pytest.raises(ValueError, match="not allocated"):
+            kv.free([blocks[0], 4000])  # 4000 is in range but was never handed out
+        with pytest.raises(ValueError, match="out of range"):
+            kv.free([blocks[0], kv.num_blocks])
+        with pytest.raises(ValueError, match="twice"):
+            kv.free([blocks[1], blocks[1]])
+        assert kv.stats().used_blocks == 4  # nothing was freed by the failed calls
+        kv.free(blocks)
+        with pytest.raises(ValueError, match="not allocated"):
+            kv.free(blocks[:1])  # already free
+        assert kv.stats().used_blocks == 0
+
+
+async def test_out_of_blocks_is_raised_at_once_when_a_request_can_never_fit(
+    backend_name, small_layout
+):
+    page_bytes = (2 << 20) * small_layout.num_ranges
+    cfg = config(backend_name, memory_limit=2 * page_bytes)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(kvasync.OutOfBlocks, match="can never fit"):
+            await kv.alloc(kv.num_blocks + 1, timeout=10.0)
+        with pytest.raises(kvasync.OutOfBlocks, match="memory limit"):
+            await kv.alloc(2 * BLOCKS_PER_PAGE + 1, timeout=10.0)
+        with pytest.raises(kvasync.OutOfBlocks):
+            kv.alloc_nowait(2 * BLOCKS_PER_PAGE + 1)
+        assert loop.time() - started < 5.0  # raised, not waited for
+        stats = kv.stats()
+        assert (stats.used_blocks, stats.waiters, stats.timeouts) == (0, 0, 0)
+        blocks = await kv.alloc(2 * BLOCKS_PER_PAGE)  # exactly the limit fits
+        kv.free(blocks)
+
+
+async def test_alloc_nowait_raises_would_block_instead_of_waiting_for_a_map(
+    backend_name, small_layout
+):
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(1)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_waiters_are_served_first_come_first_served_as_blocks_are_freed(
+    backend_name, small_layout
+):
+    page_bytes = (2 << 20) * small_layout.num_ranges
+    cfg = config(backend_name, memory_limit=page_bytes, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        held = await kv.alloc(BLOCKS_PER_PAGE)  # the whole memory limit
+        first = asyncio.create_task(kv.alloc(300, timeout=5.0))
+        await wait_until(lambda: kv.stats().waiters == 1)
+        second = asyncio.create_task(kv.alloc(10, timeout=5.0))
+        await wait_until(lambda: kv.stats().waiters == 2)
+        # A newcomer may not jump the queue for blocks the first waiter counts on.
+        kv.free(held[:100])
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(10)
+        assert not first.done() and not second.done()
+        kv.free(held[100:])
+        got_first, got_second = await asyncio.wait_for(asyncio.gather(first, second), 5.0)
+        assert len(got_first) == 300 and len(got_second) == 10
+        kv.free(got_first + got_second)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_timeout_says_what_the_alloc_was_waiting_for(backend_name, small_layout):
+    page_bytes = (2 << 20) * small_layout.num_ranges
+    cfg = config(backend_name, memory_limit=page_bytes, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        held = await kv.alloc(BLOCKS_PER_PAGE)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(kvasync.AllocTimeout) as caught:
+            await kv.alloc(5, timeout=0.2)
+        waited = loop.time() - started
+        assert isinstance(caught.value, TimeoutError)
+        message = str(caught.value)
+        assert "alloc of 5 blocks timed out after" in message
+        assert "memory limit" in message and "freed" in message
+        assert 0.2 <= waited < 2.0
+        stats = kv.stats()
+        assert (stats.timeouts, stats.waiters, stats.used_blocks) == (1, 0, BLOCKS_PER_PAGE)
+        kv.free(held)
+
+
+async def test_a_hung_map_times_out_its_waiters_while_mapped_blocks_stay_allocatable(
+    backend_name, small_layout
+):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        mapped = await kv.alloc(10)  # page 0 is mapped before the driver "hangs"
+        faults.hang()
+        try:
+            waiter = asyncio.create_task(kv.alloc(BLOCKS_PER_PAGE, timeout=0.3))
+            await wait_until(lambda: faults.hung_maps == 1)
+            more = kv.alloc_nowait(5)  # blocks already mapped keep working
+            stats = kv.stats()
+            assert stats.mapper_op == "map of 1 page(s)"
+            assert stats.mapper_op_age >= 0.0
+            assert stats.mapping_pages == 1
+            with pytest.raises(kvasync.AllocTimeout, match="mapper busy on map"):
+                await waiter
+            assert kv.stats().mapper_op_age > 0.25  # still stuck, and stats show for how long
+            kv.free(more + mapped)
+        finally:
+            faults.release()
+        await wait_until(lambda: kv.stats().inflight_pages == 0)
+        # The late map landed in the pool; nothing leaked and the allocator works again.
+        blocks = await kv.alloc(BLOCKS_PER_PAGE, timeout=2.0)
+        kv.free(blocks)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_close_finishes_within_its_deadline_with_the_mapper_stuck(backend_name, small_layout):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    kv = await kvasync.Allocator.open(small_layout, cfg)
+    faults.hang()
+    try:
+        waiter = asyncio.create_task(kv.alloc(1, timeout=30.0))
+        await wait_until(lambda: faults.hung_maps == 1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await kv.close(timeout=0.3)
+        assert loop.time() - started < 2.0
+        with pytest.raises(kvasync.AllocatorClosed):
+            await waiter
+        with pytest.raises(kvasync.AllocatorClosed):
+            await kv.alloc(1)
+    finally:
+        faults.release()  # the abandoned mapper thread finishes its call and exits
+
+
+async def test_a_delayed_map_still_completes_within_the_deadline(backend_name, small_layout):
+    faults = FaultInjector()
+    faults.delay(0.05)
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        blocks = await kv.alloc(2 * BLOCKS_PER_PAGE, timeout=2.0)
+        assert len(blocks) == 2 * BLOCKS_PER_PAGE
+        faults.release()
+        kv.free(blocks)
+
+
+async def test_a_failed_map_raises_map_error_and_the_allocator_keeps_working(
+    backend_name, small_layout
+):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        faults.fail(1)
+        with pytest.raises(kvasync.MapError, match="OUT_OF_MEMORY|ENOMEM"):
+            await kv.alloc(4, timeout=2.0)
+        stats = kv.stats()
+        assert (stats.map_errors, stats.used_blocks, stats.mapped_pages) == (1, 0, 0)
+        assert stats.waiters == 0 and stats.inflight_pages == 0
+        blocks = await kv.alloc(4, timeout=2.0)
+        assert len(blocks) == 4
+        kv.free(blocks)
+
+
+async def test_cancelling_a_waiting_alloc_leaks_nothing(backend_name, small_layout):
+    faults = FaultInjector()
+    faults.delay(0.05)
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        task = asyncio.create_task(kv.alloc(20, timeout=5.0))
+        await wait_until(lambda: kv.stats().mapping_pages == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert kv.stats().waiters == 0
+        # The map completes later; its page lands unused in the pool, then goes (no reserve).
+        await wait_until(lambda: kv.stats().maps_done == 1 and kv.stats().inflight_pages == 0)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_a_timeout_around_alloc_from_asyncio_leaks_nothing(backend_name, small_layout):
+    faults = FaultInjector()
+    faults.hang()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await kv.alloc(8, timeout=5.0)
+            assert kv.stats().waiters == 0
+        finally:
+            faults.release()
+        await wait_until(lambda: kv.stats().inflight_pages == 0 and kv.stats().mapped_pages == 0)
+        assert kv.stats().used_blocks == 0
+
+
+async def test_zero_on_alloc_hands_out_blocks_that_read_as_zeros(backend_name, small_layout):
+    cfg = config(backend_name, zero_on_alloc=True, reserve_pages=(1, 1))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        blocks = await kv.alloc(6)
+        for layer in range(small_layout.num_layers):
+            for buffer in kv.layer(layer):
+                buffer[blocks] = 7
+        kv.free(blocks)
+        again = await kv.alloc(6)
+        assert sorted(again) == sorted(blocks)  # the same blocks, reused
+        for layer in range(small_layout.num_layers):
+            for buffer in kv.layer(layer):
+                assert torch.count_nonzero(buffer[again]).item() == 0
+        kv.free(again)
+
+
+async def test_trim_unmaps_every_mapped_free_page(backend_name, small_layout):
+    cfg = config(backend_name, reserve_pages=(2, 4))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        await wait_until(lambda: kv.stats().reserve_pages == 4)
+        held = await kv.alloc(10)  # keeps one page in use
+        await kv.trim()
+        stats = kv.stats()
+        assert (stats.mapped_pages, stats.reserve_pages, stats.inflight_pages) == (1, 0, 0)
+        kv.free(held)
+
+
+async def test_resize_lowers_the_memory_limit_and_unmaps_above_it(backend_name, small_layout):
+    page_bytes = (2 << 20) * small_layout.num_ranges
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        blocks = await kv.alloc(4 * BLOCKS_PER_PAGE)
+        kv.free(blocks[BLOCKS_PER_PAGE:])
+        await kv.resize(memory_limit=2 * page_bytes)
+        await wait_until(lambda: kv.stats().mapped_pages == 1)
+        assert kv.stats().memory_limit_pages == 2
+        with pytest.raises(kvasync.OutOfBlocks):
+            await kv.alloc(2 * BLOCKS_PER_PAGE + 1)
+        more = await kv.alloc(BLOCKS_PER_PAGE)  # up to the new limit still fits
+        with pytest.raises(ValueError, match="below one page"):
+            await kv.resize(memory_limit=page_bytes - 1)
+        await kv.resize(memory_limit=None)
+        big = await kv.alloc(2 * BLOCKS_PER_PAGE)
+        kv.free(blocks[:BLOCKS_PER_PAGE] + more + big)
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+async def test_layer_views_cover_distinct_memory_for_every_buffer(backend_name, contiguous):
+    layout = kvasync.KVLayout(
+        num_layers=3, num_kv_heads=2, head_dim=32, block_size=8, contiguous=contiguous
+    )
+    # 6 buffers x 1 KiB blocks: the contiguous layout needs a page that is a multiple of 6 KiB.
+    page_size = (6 if contiguous else 2) << 20
+    cfg = kvasync.Config(backend=backend_name, max_blocks=64, page_size=page_size)
+    async with kvasync.open_allocator(layout, cfg) as kv:
+        blocks = await kv.alloc(5)
+        buffers = [b for layer in range(3) for b in kv.layer(layer)]
+        assert len(buffers) == 6
+        for value, buffer in enumerate(buffers, start=1):
+            assert buffer.shape == (64, 8, 2, 32)
+            assert buffer.dtype == torch.float16
+            buffer[blocks] = value
+        for value, buffer in enumerate(buffers, start=1):
+            assert bool((buffer[blocks] == value).all())
+        kv.free(blocks)
+
+
+async def test_layer_rejects_a_layer_out_of_range(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        with pytest.raises(IndexError):
+            kv.layer(small_layout.num_layers)
+
+
+async def test_mla_layout_has_one_buffer_per_layer(backend_name):
+    layout = kvasync.KVLayout(
+        num_layers=2, num_kv_heads=1, head_dim=64, block_size=16, kv_buffers=1
+    )
+    async with kvasync.open_allocator(layout, kvasync.Config(backend=backend_name)) as kv:
+        (latent,) = kv.layer(1)
+        assert latent.shape == (4096, 16, 1, 64)
+
+
+async def test_calls_on_a_closed_allocator_raise_allocator_closed(backend_name, small_layout):
+    kv = await kvasync.Allocator.open(small_layout, config(backend_name))
+    blocks = await kv.alloc(2)
+    await kv.close()
+    await kv.close()  # idempotent
+    with pytest.raises(kvasync.AllocatorClosed):
+        await kv.alloc(1)
+    with pytest.raises(kvasync.AllocatorClosed):
+        kv.alloc_nowait(1)
+    with pytest.raises(kvasync.AllocatorClosed):
+        await kv.trim()
+    assert kv.stats().mapped_pages == 0  # close gave the memory back
+    del blocks
+
+
+def test_layout_and_config_reject_bad_values():
+    with pytest.raises(ValueError, match="num_layers"):
+        kvasync.KVLayout(num_layers=0, num_kv_heads=1, head_dim=8, block_size=1)
+    with pytest.raises(ValueError, match="kv_buffers"):
+        kvasync.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=1, kv_buffers=3)
+    with pytest.raises(ValueError, match="dtype"):
+        kvasync.KVLayout(
+            num_layers=1, num_kv_heads=1, head_dim=8, block_size=1, dtype=torch.float64
+        )
+    with pytest.raises(ValueError, match="backend"):
+        kvasync.Config(backend="tpu")
+    with pytest.raises(ValueError, match="reserve_pages"):
+        kvasync.Config(reserve_pages=(3, 1))
+    with pytest.raises(ValueError, match="default_timeout"):
+        kvasync.Config(default_timeout=math.inf)
+    odd = kvasync.KVLayout(num_layers=1, num_kv_heads=2, head_dim=80, block_size=16)
+    with pytest.raises(ValueError, match="page_size"):
+        odd.blocks_per_page(2 << 20)
+
+
+async def test_backend_auto_picks_host_without_a_cuda_driver(small_layout):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA driver is present")
+    async with kvasync.open_allocator(small_layout, kvasync.Config(backend="auto")) as kv:
+        assert kv.backend == "host"
+    with pytest.raises(kvasync.KVAsyncError, match="no CUDA driver"):
+        await kvasync.Allocator.open(small_layout, kvasync.Config(backend="cuda"))
+
+
+def test_touching_an_unmapped_block_faults_like_a_gpu():
+    # A real reservation: reading a block whose page was never mapped is a segmentation fault.
+    script = textwrap.dedent(
+        """
+        import asyncio, kvasync
+        async def main():
+            layout = kvasync.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)
+            cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+            async with kvasync.open_allocator(layout, cfg) as kv:
+                k, v = kv.layer(0)
+                print("touching", flush=True)
+                k[100].sum()
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "touching" in result.stdout
+    assert result.returncode == -11, result.stderr  # SIGSEGV
+
+
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssShmem in /proc/self/status")
+
+
+async def test_host_memory_is_given_back_to_the_os_after_trim(small_layout):
+    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0), max_blocks=64 * BLOCKS_PER_PAGE)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        before = _shmem_kib()
+        blocks = await kv.alloc(16 * BLOCKS_PER_PAGE)  # 16 pages x 8 ranges x 2 MiB = 256 MiB
+        grown = _shmem_kib() - before
+        assert grown >= 250 * 1024
+        kv.free(blocks)
+        await wait_until(lambda: kv.stats().mapped_pages == 0 and kv.stats().inflight_pages == 0)
+        assert _shmem_kib() - before < 16 * 1024
