@@ -285,7 +285,7 @@ async def test_a_failed_map_raises_map_error_and_the_allocator_keeps_working(
     cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
     async with kvasync.open_allocator(small_layout, cfg) as kv:
         faults.fail(1)
-        with pytest.raises(kvasync.MapError, match="OUT_OF_MEMORY|ENOMEM"):
+        with pytest.raises(kvasync.MapError, match=r"OUT_OF_MEMORY|ENOMEM"):
             await kv.alloc(4, timeout=2.0)
         stats = kv.stats()
         assert (stats.map_errors, stats.used_blocks, stats.mapped_pages) == (1, 0, 0)
