@@ -187,8 +187,8 @@ void PagePool::push_job(Job job) {
 
 void PagePool::serve_waiters() {
   while (!waiters_.empty() && waiters_.front().n <= free_blocks_) {
-    Waiter waiter = waiters_.front();
-    waiters_.erase(waiters_.begin());
+    const Waiter waiter = waiters_.front();
+    waiters_.pop_front();
     waiting_blocks_ -= waiter.n;
     completions_.push({waiter.id, CompletionStatus::kOk, take_blocks(waiter.n), {}});
   }
@@ -289,6 +289,7 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
     const uint8_t state = in_range ? block_used_[block] : 0;
     if (state != 1) {
       for (size_t j = 0; j < i; ++j) block_used_[blocks[j]] = 1;
+      if (fence != 0) backend_->release_fence(fence);  // we own it, and nothing will use it
       if (!in_range) {
         throw std::invalid_argument("free: block id " + std::to_string(block) +
                                     " is out of range [0, " + std::to_string(config_.num_blocks) +
@@ -531,7 +532,9 @@ void PagePool::finish_job(const Job& job, const BackendResult& result) {
   }
   if (closed_) return;
   serve_waiters();
-  if (result.ok) plan_maps();  // after a failure, other waiters replan on their next event
+  // After a failure too: each failed job fails the waiter it was for, so a driver that keeps
+  // failing ends every waiter's wait instead of looping.
+  plan_maps();
   plan_unmaps();
 }
 

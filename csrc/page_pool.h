@@ -45,6 +45,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -174,7 +175,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::set<int64_t> reserve_;         // kFree page ids
   std::set<int64_t> with_free_;       // kFree and kInUse pages with a free block
   std::map<Clock::time_point, std::vector<Job>> jobs_;  // deadline-ordered
-  std::vector<Waiter> waiters_;       // FIFO
+  std::deque<Waiter> waiters_;        // FIFO
   int64_t next_request_id_ = 1;
   int64_t count_[5] = {0, 0, 0, 0, 0};  // pages per PageState
   int64_t used_blocks_ = 0;
