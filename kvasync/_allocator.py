@@ -244,6 +244,86 @@ class Allocator:
         if request:
             await self._wait(request, due, "resize")
 
+    # -- block data (Triton kernels: one launch for every layer and buffer) ------------------
+
+    def gather(
+        self, ids: Sequence[int] | torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Copies blocks ``ids`` of every layer and buffer into one contiguous tensor.
+
+        Args:
+            ids: allocated block ids (repeats allowed): ints or a 1-D integer tensor.
+            out: where to write: contiguous, the layout's dtype, on the allocator's device, shape
+                ``[len(ids), num_layers, kv_buffers, block_size, num_kv_heads, head_dim]``.
+
+        Returns:
+            ``out`` or a new tensor of that shape.
+
+        Raises:
+            ValueError: an id not allocated or out of range, or ``out`` of the wrong shape, dtype
+                or device. Nothing is launched then.
+        """
+        from . import _block_ops
+
+        return _block_ops.gather(
+            self._buffers,
+            ids,
+            out,
+            kv_buffers=self._layout.kv_buffers,
+            is_allocated=self._pool.unallocated,
+        )
+
+    def scatter(self, ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
+        """Writes ``src`` (shaped as ``gather``'s result) into blocks ``ids`` of every layer.
+
+        Raises:
+            ValueError: an id not allocated, out of range or repeated, or ``src`` of the wrong
+                shape, dtype or device. Nothing is launched then.
+        """
+        from . import _block_ops
+
+        _block_ops.scatter(
+            self._buffers,
+            ids,
+            src,
+            kv_buffers=self._layout.kv_buffers,
+            is_allocated=self._pool.unallocated,
+        )
+
+    def zero(self, ids: Sequence[int] | torch.Tensor) -> None:
+        """Zeroes blocks ``ids`` in every layer and buffer.
+
+        Raises:
+            ValueError: an id not allocated or out of range. Nothing is launched then.
+        """
+        from . import _block_ops
+
+        _block_ops.zero(
+            self._buffers,
+            ids,
+            kv_buffers=self._layout.kv_buffers,
+            is_allocated=self._pool.unallocated,
+        )
+
+    def copy(
+        self, src_ids: Sequence[int] | torch.Tensor, dst_ids: Sequence[int] | torch.Tensor
+    ) -> None:
+        """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` in every layer (copy-on-write).
+
+        Raises:
+            ValueError: ids not allocated, out of range, of different lengths, or a repeated
+                destination. Nothing is launched then.
+        """
+        from . import _block_ops
+
+        _block_ops.copy(
+            self._buffers,
+            src_ids,
+            dst_ids,
+            kv_buffers=self._layout.kv_buffers,
+            is_allocated=self._pool.unallocated,
+        )
+
     # -- views and state --------------------------------------------------------------------
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
@@ -409,9 +489,16 @@ class Allocator:
                 self._settle(request, AllocatorClosed(message or "the allocator was closed"), None)
 
     def _zero_blocks(self, ids: list[int]) -> None:
-        index = torch.tensor(ids, dtype=torch.long)
-        for buffer in self._buffers:
-            buffer.index_fill_(0, index.to(buffer.device), 0)
+        from . import _block_ops
+
+        # The blocks were just handed out by the pool: no need to ask it again.
+        _block_ops.zero(
+            self._buffers, ids, kv_buffers=self._layout.kv_buffers, is_allocated=_none_missing
+        )
+
+
+def _none_missing(ids: list[int]) -> list[int]:
+    return []
 
 
 @asynccontextmanager

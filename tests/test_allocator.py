@@ -493,3 +493,28 @@ async def test_host_memory_is_given_back_to_the_os_after_trim(small_layout):
         kv.free(blocks)
         await wait_until(lambda: kv.stats().mapped_pages == 0 and kv.stats().inflight_pages == 0)
         assert _shmem_kib() - before < 16 * 1024
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+async def test_block_data_moves_through_the_allocator_in_every_layer(backend_name, contiguous):
+    layout = kvasync.KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, contiguous=contiguous
+    )
+    cfg = kvasync.Config(backend=backend_name, max_blocks=32, page_size=2 << 20)
+    async with kvasync.open_allocator(layout, cfg) as kv:
+        blocks = await kv.alloc(4)
+        device = kv.layer(0)[0].device
+        data = torch.randn(3, 2, 2, 4, 2, 16, device=device).to(torch.float16)
+        kv.scatter(blocks[:3], data)
+        assert torch.equal(kv.gather(blocks[:3]), data)
+        assert torch.equal(kv.layer(1)[1][blocks[2]], data[2, 1, 1])  # layer 1's V of block 2
+        kv.copy([blocks[0]], [blocks[3]])
+        assert torch.equal(kv.gather([blocks[3]])[0], data[0])
+        kv.zero(blocks[:2])
+        gathered = kv.gather(blocks)
+        assert torch.count_nonzero(gathered[:2]).item() == 0
+        assert torch.equal(gathered[2], data[2])
+        free_block = next(b for b in range(32) if b not in blocks)
+        with pytest.raises(ValueError, match="not allocated"):
+            kv.gather([blocks[0], free_block])
+        kv.free(blocks)
