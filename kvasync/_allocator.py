@@ -430,6 +430,12 @@ class Allocator:
 
     async def _wait(self, request: int, due: float, what: str) -> list[int]:
         loop = self._loop
+        if asyncio.get_running_loop() is not loop:
+            self._pool.cancel(request, False)
+            raise RuntimeError(
+                "this allocator belongs to the event loop that opened it; open one allocator per "
+                "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
+            )
         future: asyncio.Future[list[int]] = loop.create_future()
         timer = loop.call_at(due, self._on_deadline, request)
         self._pending[request] = _Pending(future, timer, what, loop.time())
