@@ -17,6 +17,8 @@
 namespace py = pybind11;
 using namespace kvasync;
 
+void bind_cuda(py::module_& m);  // bind_cuda.cpp
+
 namespace {
 
 // The Python-facing owner of a pool: closing on destruction keeps a forgotten allocator from
@@ -206,4 +208,6 @@ PYBIND11_MODULE(_core, m) {
           return false;
         },
         py::arg("pool"), py::arg("reserve_pages"), py::arg("timeout_s"));
+
+  bind_cuda(m);  // after Backend: CudaBackend derives from it
 }

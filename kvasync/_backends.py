@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _core
+from . import _core, _cuda
 from ._config import Config
 from ._errors import KVAsyncError
 from ._layout import KVLayout
@@ -13,9 +13,9 @@ from ._layout import KVLayout
 __all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
 
 
-def cuda_driver_error() -> str | None:
-    """Why the cuda backend cannot be used here, or None when it can."""
-    return "no CUDA driver found (the cuda backend is not built into this kvasync yet)"
+def cuda_driver_error(device: int = 0) -> str | None:
+    """Why the cuda backend cannot be used on ``device`` here, or None when it can."""
+    return _cuda.driver_problem(device)
 
 
 def resolve_backend(config: Config) -> str:
@@ -26,7 +26,7 @@ def resolve_backend(config: Config) -> str:
     """
     if config.backend == "host":
         return "host"
-    problem = cuda_driver_error()
+    problem = cuda_driver_error(config.device)
     if config.backend == "cuda" and problem is not None:
         raise KVAsyncError(
             f'backend="cuda" cannot be used: {problem}; use backend="host" or "auto"'
@@ -44,8 +44,16 @@ def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Ba
     backend: _core.Backend
     if name == "host":
         backend = _core.HostBackend(layout.num_ranges, num_pages, config.page_size)
-    else:  # pragma: no cover - resolve_backend refuses cuda until it exists
-        raise KVAsyncError("the cuda backend is not available")
+    else:
+        # The handle pool keeps up to the reserve's high watermark of unmapped handles.
+        backend = _core.CudaBackend(
+            config.device,
+            layout.num_ranges,
+            num_pages,
+            config.page_size,
+            config.reserve_pages[1],
+            config.gpu_utilization,
+        )
     if config.faults is not None:
         backend = _core.with_faults(backend, config.faults._state)
     return backend
@@ -53,6 +61,8 @@ def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Ba
 
 def range_tensor(backend: _core.Backend, index: int) -> torch.Tensor:
     """A uint8 tensor over the whole of range ``index`` (it keeps the reservation alive)."""
+    if backend.name == "cuda":
+        return _cuda.range_tensor(backend, index)
     return torch.from_numpy(np.asarray(_core.range_view(backend, index)))
 
 
@@ -88,6 +98,8 @@ def make_fence(backend: _core.Backend, after: object) -> int:
     """
     if after is None:
         return 0
+    if backend.name == "cuda":
+        return _cuda.make_fence(backend, after)
     raise ValueError(
         f"free(after=...) needs the cuda backend; this allocator uses {backend.name!r}, "
         "where memory is never in use by device work"

@@ -1,0 +1,543 @@
+#include "cuda_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+#include "errors.h"
+
+namespace kvasync {
+namespace {
+
+using namespace kvasync::cuda;
+
+constexpr auto kHandleThreadIdlePoll = std::chrono::milliseconds(100);  // bounded idle wait
+constexpr auto kFencePollMax = std::chrono::microseconds(500);
+
+const CudaDriver& checked_driver() {
+  const CudaDriver& driver = CudaDriver::get();
+  if (!driver.ok()) throw BackendError(driver.problem);
+  return driver;
+}
+
+std::string mib(int64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
+
+// Live backends by the base of their range 0, so that Python can find the device of a backend
+// even when it is wrapped (FaultBackend forwards range_base but hides the CudaBackend).
+std::mutex registry_mutex;
+std::map<uintptr_t, int>& registry() {
+  static std::map<uintptr_t, int> backends;
+  return backends;
+}
+
+// Process-wide fence recorders, one per device: the primary context and a private stream.
+struct FenceRecorder {
+  explicit FenceRecorder(int device) : context(device), stream(context) {}
+  PrimaryContext context;
+  Stream stream;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// RAII driver resources
+
+PrimaryContext::PrimaryContext(int device) : device_(device) {
+  const std::string problem = device_problem(device);
+  if (!problem.empty()) throw BackendError(problem);
+  const CudaDriver& driver = checked_driver();
+  CUresult result = driver.cuDeviceGet(&handle_, device);
+  if (result == CUDA_SUCCESS) result = driver.cuDevicePrimaryCtxRetain(&context_, handle_);
+  if (result != CUDA_SUCCESS) {
+    throw BackendError(driver.failure(result, "retaining the primary context of device " +
+                                                  std::to_string(device)));
+  }
+}
+
+PrimaryContext::~PrimaryContext() { CudaDriver::get().cuDevicePrimaryCtxRelease(handle_); }
+
+CUresult PrimaryContext::make_current() const {
+  return CudaDriver::get().cuCtxSetCurrent(context_);
+}
+
+ScopedContext::ScopedContext(const PrimaryContext& context) {
+  const CudaDriver& driver = CudaDriver::get();
+  if (driver.cuCtxGetCurrent(&previous_) != CUDA_SUCCESS) previous_ = nullptr;
+  status_ = context.make_current();
+}
+
+ScopedContext::~ScopedContext() {
+  if (previous_ != nullptr) CudaDriver::get().cuCtxSetCurrent(previous_);
+}
+
+AddressReservation::AddressReservation(size_t bytes, size_t alignment) : bytes_(bytes) {
+  const CudaDriver& driver = checked_driver();
+  const CUresult result = driver.cuMemAddressReserve(&base_, bytes, alignment, 0, 0);
+  if (result != CUDA_SUCCESS) {
+    throw BackendError(driver.failure(result, "cuMemAddressReserve of " + mib(bytes)));
+  }
+}
+
+AddressReservation::~AddressReservation() { CudaDriver::get().cuMemAddressFree(base_, bytes_); }
+
+std::unique_ptr<PhysicalPage> PhysicalPage::create(const CUmemAllocationProp& prop,
+                                                   size_t handle_bytes, int num_handles,
+                                                   std::string& error) {
+  const CudaDriver& driver = CudaDriver::get();
+  std::unique_ptr<PhysicalPage> page(new PhysicalPage());
+  page->handles_.reserve(num_handles);
+  for (int i = 0; i < num_handles; ++i) {
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult result = driver.cuMemCreate(&handle, handle_bytes, &prop, 0);
+    if (result != CUDA_SUCCESS) {
+      error = driver.failure(result, "cuMemCreate of " + mib(handle_bytes));
+      return nullptr;  // the handles made so far are released by ~PhysicalPage
+    }
+    page->handles_.push_back(handle);
+  }
+  return page;
+}
+
+PhysicalPage::~PhysicalPage() {
+  for (CUmemGenericAllocationHandle handle : handles_) CudaDriver::get().cuMemRelease(handle);
+}
+
+Stream::Stream(const PrimaryContext& context) {
+  ScopedContext current(context);
+  const CudaDriver& driver = CudaDriver::get();
+  const CUresult result = driver.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING);
+  if (result != CUDA_SUCCESS) throw BackendError(driver.failure(result, "cuStreamCreate"));
+}
+
+Stream::~Stream() { CudaDriver::get().cuStreamDestroy(stream_); }
+
+// ---------------------------------------------------------------------------------------------
+// CudaBackend
+
+CudaBackend::CudaBackend(int device, int num_ranges, int64_t num_pages, int64_t page_size,
+                         int64_t spare_pages, double gpu_utilization)
+    : driver_(checked_driver()),
+      context_(device),
+      num_ranges_(num_ranges),
+      num_pages_(num_pages),
+      page_size_(page_size),
+      gpu_utilization_(gpu_utilization),
+      spare_capacity_(std::max<int64_t>(0, spare_pages)) {
+  if (num_ranges <= 0 || num_pages <= 0) throw std::invalid_argument("cuda backend: empty range");
+  if (!(gpu_utilization > 0.0 && gpu_utilization <= 1.0)) {
+    throw std::invalid_argument("cuda backend: gpu_utilization must be in (0, 1]");
+  }
+  ScopedContext current(context_);
+  if (current.status() != CUDA_SUCCESS) {
+    throw BackendError(driver_.failure(current.status(), "cuCtxSetCurrent"));
+  }
+  prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop_.location = {CU_MEM_LOCATION_TYPE_DEVICE, device};
+  access_.location = prop_.location;
+  access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  granularity_ = device_granularity(device);
+  if (page_size <= 0 || page_size % granularity_ != 0) {
+    throw std::invalid_argument("cuda backend: page_size " + std::to_string(page_size) +
+                                " must be a positive multiple of device " +
+                                std::to_string(device) + "'s allocation granularity " +
+                                std::to_string(granularity_) + " bytes");
+  }
+  for (int r = 0; r < num_ranges; ++r) {
+    ranges_.push_back(std::make_unique<AddressReservation>(
+        static_cast<size_t>(num_pages * page_size), static_cast<size_t>(granularity_)));
+  }
+  mapped_.resize(num_pages);
+  probe_driver();
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    registry()[range_base(0)] = device;
+  }
+  if (spare_capacity_ > 0) handle_thread_ = std::thread(&CudaBackend::handle_thread_main, this);
+}
+
+CudaBackend::~CudaBackend() {
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    registry().erase(range_base(0));
+  }
+  if (handle_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(spare_mutex_);
+      stopping_ = true;
+    }
+    handle_wake_.notify_all();
+    // NOTE: bounded by one driver call (create or release) in flight in that thread.
+    handle_thread_.join();
+  }
+  ScopedContext current(context_);
+  for (int64_t page = 0; page < num_pages_; ++page) {
+    if (mapped_[page]) {
+      for (int r = 0; r < num_ranges_; ++r) driver_.cuMemUnmap(address(r, page), page_size_);
+    }
+  }
+  mapped_.clear();  // releases the handles (cuMemRelease) ...
+  spare_.clear();
+  to_release_.clear();
+  ranges_.clear();  // ... before the reservations are freed
+}
+
+uintptr_t CudaBackend::range_base(int range) const {
+  return static_cast<uintptr_t>(ranges_.at(range)->base());
+}
+
+int64_t CudaBackend::device_granularity(int device) {
+  const CudaDriver& driver = checked_driver();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location = {CU_MEM_LOCATION_TYPE_DEVICE, device};
+  size_t granularity = 0;
+  const CUresult result =
+      driver.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (result != CUDA_SUCCESS || granularity == 0) {
+    throw BackendError(driver.failure(result, "cuMemGetAllocationGranularity"));
+  }
+  return static_cast<int64_t>(granularity);
+}
+
+int CudaBackend::device_of_range(uintptr_t base) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto found = registry().find(base);
+  return found == registry().end() ? -1 : found->second;
+}
+
+void CudaBackend::probe_driver() {
+  // Two questions the documentation leaves open, answered once on a scratch range of 2 pages:
+  // does cuMemMap take a non-zero offset into a handle, and does cuMemUnmap take a range that
+  // spans several mappings? Either "no" selects the slower, always-valid path.
+  const size_t page = static_cast<size_t>(page_size_);
+  AddressReservation scratch(2 * page, static_cast<size_t>(granularity_));
+  std::string error;
+  if (num_ranges_ > 1) {
+    auto wide = PhysicalPage::create(prop_, 2 * page, 1, error);
+    if (!wide) throw BackendError(error + " (probing the driver)");
+    offset_mapping_ = driver_.cuMemMap(scratch.base(), page, page, wide->handle(0), 0) == CUDA_SUCCESS;
+    if (offset_mapping_) driver_.cuMemUnmap(scratch.base(), page);
+  }
+  auto a = PhysicalPage::create(prop_, page, 1, error);
+  auto b = a ? PhysicalPage::create(prop_, page, 1, error) : nullptr;
+  if (!b) throw BackendError(error + " (probing the driver)");
+  const bool mapped_a = driver_.cuMemMap(scratch.base(), page, 0, a->handle(0), 0) == CUDA_SUCCESS;
+  const bool mapped_b =
+      driver_.cuMemMap(scratch.base() + page, page, 0, b->handle(0), 0) == CUDA_SUCCESS;
+  run_unmap_ = mapped_a && mapped_b &&
+               driver_.cuMemUnmap(scratch.base(), 2 * page) == CUDA_SUCCESS;
+  if (!run_unmap_) {
+    if (mapped_a) driver_.cuMemUnmap(scratch.base(), page);
+    if (mapped_b) driver_.cuMemUnmap(scratch.base() + page, page);
+  }
+}
+
+BackendResult CudaBackend::headroom_check(int64_t pages) const {
+  size_t free_bytes = 0, total_bytes = 0;
+  const CUresult result = driver_.cuMemGetInfo(&free_bytes, &total_bytes);
+  if (result != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(result, "cuMemGetInfo"));
+  // Signed on purpose: a device already above the ceiling has a negative headroom, i.e. none.
+  const int64_t total = static_cast<int64_t>(total_bytes);
+  const int64_t used = total - static_cast<int64_t>(free_bytes);
+  const int64_t ceiling = static_cast<int64_t>(gpu_utilization_ * static_cast<double>(total));
+  const int64_t headroom = ceiling - used;
+  const int64_t want = pages * page_size_ * num_ranges_;
+  if (want > headroom) {
+    return BackendResult::failure(
+        "CUDA_ERROR_OUT_OF_MEMORY: creating " + std::to_string(pages) + " page(s) (" + mib(want) +
+        ") would exceed gpu_utilization " + std::to_string(gpu_utilization_) + " of " +
+        mib(total) + " on device " + std::to_string(device()) + " (" + mib(used) +
+        " in use, headroom " + (headroom > 0 ? mib(headroom) : "none") + ")");
+  }
+  return BackendResult::success();
+}
+
+BackendResult CudaBackend::take_pages(int64_t count,
+                                      std::vector<std::unique_ptr<PhysicalPage>>& out) {
+  int64_t from_pool = 0;
+  {
+    std::lock_guard<std::mutex> lock(spare_mutex_);
+    while (static_cast<int64_t>(out.size()) < count && !spare_.empty()) {
+      out.push_back(std::move(spare_.back()));
+      spare_.pop_back();
+    }
+    from_pool = static_cast<int64_t>(out.size());
+    taken_from_pool_ += from_pool;
+    // Create ahead of the next need what this map consumed (Note [CUDA backend]).
+    ahead_ = std::min(ahead_ + count, spare_capacity_ - static_cast<int64_t>(spare_.size()));
+  }
+  if (spare_capacity_ > 0) handle_wake_.notify_one();
+  const int64_t cold = count - from_pool;
+  if (cold == 0) return BackendResult::success();
+  BackendResult room = headroom_check(cold);
+  const int handles = offset_mapping_ ? 1 : num_ranges_;
+  const size_t bytes = static_cast<size_t>(page_size_) * (offset_mapping_ ? num_ranges_ : 1);
+  for (int64_t i = 0; room.ok && i < cold; ++i) {
+    std::string error;
+    auto page = PhysicalPage::create(prop_, bytes, handles, error);
+    if (!page) room = BackendResult::failure(error);
+    else out.push_back(std::move(page));
+  }
+  std::lock_guard<std::mutex> lock(spare_mutex_);
+  created_on_map_ += static_cast<int64_t>(out.size()) - from_pool;
+  created_ += static_cast<int64_t>(out.size()) - from_pool;
+  return room;
+}
+
+void CudaBackend::give_back(std::vector<std::unique_ptr<PhysicalPage>> pages) {
+  bool surplus = false;
+  {
+    std::lock_guard<std::mutex> lock(spare_mutex_);
+    for (auto& page : pages) {
+      if (static_cast<int64_t>(spare_.size()) < spare_capacity_) {
+        spare_.push_back(std::move(page));
+      } else {
+        to_release_.push_back(std::move(page));  // released off the mapper thread
+        surplus = true;
+      }
+    }
+    ahead_ = std::min(ahead_, spare_capacity_ - static_cast<int64_t>(spare_.size()));
+  }
+  if (surplus && spare_capacity_ == 0) {  // no handle thread: release here, without the lock
+    std::vector<std::unique_ptr<PhysicalPage>> surplus_pages;
+    {
+      std::lock_guard<std::mutex> lock(spare_mutex_);
+      surplus_pages.swap(to_release_);
+      released_ += static_cast<int64_t>(surplus_pages.size());
+    }
+    surplus_pages.clear();
+  } else if (surplus) {
+    handle_wake_.notify_one();
+  }
+}
+
+BackendResult CudaBackend::map_page(int range, int64_t page, const PhysicalPage& memory) {
+  const CUmemGenericAllocationHandle handle = memory.handle(offset_mapping_ ? 0 : range);
+  const size_t offset = offset_mapping_ ? static_cast<size_t>(range) * page_size_ : 0;
+  const CUresult result = driver_.cuMemMap(address(range, page), page_size_, offset, handle, 0);
+  if (result == CUDA_SUCCESS) return BackendResult::success();
+  return BackendResult::failure(driver_.failure(
+      result, "cuMemMap of page " + std::to_string(page) + " in range " + std::to_string(range)));
+}
+
+BackendResult CudaBackend::map(int64_t first, int64_t count) {
+  if (first < 0 || count <= 0 || first + count > num_pages_) {
+    return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: pages out of range");
+  }
+  for (int64_t page = first; page < first + count; ++page) {
+    if (mapped_[page]) {
+      return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: page " + std::to_string(page) +
+                                    " is already mapped");
+    }
+  }
+  const CUresult current = context_.make_current();
+  if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
+  std::vector<std::unique_ptr<PhysicalPage>> memory;
+  memory.reserve(count);
+  BackendResult result = take_pages(count, memory);
+  int range = 0;
+  int64_t done_in_range = 0;  // pages of `range` mapped so far
+  for (; result.ok && range < num_ranges_; ++range) {
+    for (done_in_range = 0; result.ok && done_in_range < count; ++done_in_range) {
+      result = map_page(range, first + done_in_range, *memory[done_in_range]);
+      if (!result.ok) break;
+    }
+    if (!result.ok) break;
+    // One access call for the whole run in this range (Note [CUDA backend]: batching).
+    const CUresult access = driver_.cuMemSetAccess(address(range, first), count * page_size_, &access_, 1);
+    if (access != CUDA_SUCCESS) {
+      result = BackendResult::failure(driver_.failure(
+          access, "cuMemSetAccess of " + std::to_string(count) + " page(s) in range " +
+                      std::to_string(range)));
+      break;
+    }
+  }
+  if (!result.ok) {  // all or nothing: undo every mapping of this call
+    for (int r = 0; r <= std::min(range, num_ranges_ - 1); ++r) {
+      const int64_t mapped = r < range ? count : done_in_range;
+      for (int64_t i = 0; i < mapped; ++i) driver_.cuMemUnmap(address(r, first + i), page_size_);
+    }
+    give_back(std::move(memory));
+    return result;
+  }
+  for (int64_t i = 0; i < count; ++i) mapped_[first + i] = std::move(memory[i]);
+  return result;
+}
+
+BackendResult CudaBackend::unmap_run(int range, int64_t first, int64_t count) {
+  if (run_unmap_ && count > 1 &&
+      driver_.cuMemUnmap(address(range, first), count * page_size_) == CUDA_SUCCESS) {
+    return BackendResult::success();
+  }
+  BackendResult first_error;
+  for (int64_t page = first; page < first + count; ++page) {
+    const CUresult result = driver_.cuMemUnmap(address(range, page), page_size_);
+    if (result != CUDA_SUCCESS && first_error.ok) {
+      first_error = BackendResult::failure(driver_.failure(
+          result, "cuMemUnmap of page " + std::to_string(page) + " in range " +
+                      std::to_string(range)));
+    }
+  }
+  return first_error;
+}
+
+BackendResult CudaBackend::unmap(int64_t first, int64_t count) {
+  if (first < 0 || count <= 0 || first + count > num_pages_) {
+    return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: pages out of range");
+  }
+  const CUresult current = context_.make_current();
+  if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
+  BackendResult first_error;
+  std::vector<std::unique_ptr<PhysicalPage>> freed;
+  int64_t page = first;
+  while (page < first + count) {  // sub-runs of pages this backend really has mapped
+    if (!mapped_[page]) {
+      ++page;
+      continue;
+    }
+    int64_t end = page + 1;
+    while (end < first + count && mapped_[end]) ++end;
+    bool ok = true;
+    for (int r = 0; r < num_ranges_; ++r) {
+      BackendResult result = unmap_run(r, page, end - page);
+      if (!result.ok) {
+        ok = false;
+        if (first_error.ok) first_error = result;  // keep going: free what we can
+      }
+    }
+    // NOTE: after a failed unmap the page may still be mapped somewhere: keep its memory.
+    if (ok) {
+      for (int64_t p = page; p < end; ++p) freed.push_back(std::move(mapped_[p]));
+    }
+    page = end;
+  }
+  give_back(std::move(freed));
+  return first_error;
+}
+
+BackendResult CudaBackend::wait_fence(uintptr_t fence,
+                                      std::chrono::steady_clock::time_point deadline) {
+  context_.make_current();
+  auto event = reinterpret_cast<CUevent>(fence);
+  auto pause = std::chrono::microseconds(10);
+  for (;;) {
+    const CUresult result = driver_.cuEventQuery(event);
+    if (result == CUDA_SUCCESS) return BackendResult::success();
+    if (result != CUDA_ERROR_NOT_READY) {
+      return BackendResult::failure(driver_.failure(result, "cuEventQuery of a free(after=) fence"));
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return BackendResult::failure(
+          "CUDA_ERROR_NOT_READY: device work using the pages (free(after=...)) was not done by the "
+          "unmap's deadline; the pages stay mapped");
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+    pause = std::min<std::chrono::microseconds>(pause * 2, kFencePollMax);
+  }
+}
+
+void CudaBackend::release_fence(uintptr_t fence) {
+  driver_.cuEventDestroy(reinterpret_cast<CUevent>(fence));
+}
+
+uintptr_t CudaBackend::record_fence(int device, uintptr_t stream, uintptr_t after_event) {
+  static std::mutex recorders_mutex;
+  static std::map<int, std::unique_ptr<FenceRecorder>>* recorders =
+      new std::map<int, std::unique_ptr<FenceRecorder>>();  // leaked: outlives every caller
+  FenceRecorder* recorder;
+  {
+    std::lock_guard<std::mutex> lock(recorders_mutex);
+    auto& slot = (*recorders)[device];
+    if (!slot) slot = std::make_unique<FenceRecorder>(device);
+    recorder = slot.get();
+  }
+  const CudaDriver& driver = checked_driver();
+  ScopedContext current(recorder->context);
+  CUevent event = nullptr;
+  CUresult result = driver.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING);
+  if (result != CUDA_SUCCESS) throw BackendError(driver.failure(result, "cuEventCreate"));
+  CUstream target = reinterpret_cast<CUstream>(stream);
+  if (after_event != 0) {
+    target = recorder->stream.get();
+    result = driver.cuStreamWaitEvent(target, reinterpret_cast<CUevent>(after_event), 0);
+  }
+  if (result == CUDA_SUCCESS) result = driver.cuEventRecord(event, target);
+  if (result != CUDA_SUCCESS) {
+    driver.cuEventDestroy(event);
+    throw BackendError(driver.failure(result, "recording the free(after=) fence"));
+  }
+  return reinterpret_cast<uintptr_t>(event);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The handle thread: creates spares ahead of need and releases the surplus, off the mapper thread.
+
+void CudaBackend::handle_thread_main() {
+  context_.make_current();
+  std::unique_lock<std::mutex> lock(spare_mutex_);
+  while (!stopping_) {
+    if (!to_release_.empty()) {
+      std::vector<std::unique_ptr<PhysicalPage>> surplus;
+      surplus.swap(to_release_);
+      handle_thread_busy_ = true;
+      released_ += static_cast<int64_t>(surplus.size());
+      lock.unlock();
+      surplus.clear();  // cuMemRelease, without the lock
+      lock.lock();
+      handle_thread_busy_ = false;
+      continue;
+    }
+    if (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_) {
+      --ahead_;
+      handle_thread_busy_ = true;
+      lock.unlock();
+      std::string error;
+      std::unique_ptr<PhysicalPage> page;
+      if (headroom_check(1).ok) {
+        const size_t bytes = static_cast<size_t>(page_size_) * (offset_mapping_ ? num_ranges_ : 1);
+        page = PhysicalPage::create(prop_, bytes, offset_mapping_ ? 1 : num_ranges_, error);
+      }
+      lock.lock();
+      handle_thread_busy_ = false;
+      if (!page) {
+        ahead_ = 0;  // no room or the driver refused: stop until the next map asks again
+        continue;
+      }
+      ++created_;
+      if (static_cast<int64_t>(spare_.size()) < spare_capacity_) spare_.push_back(std::move(page));
+      else to_release_.push_back(std::move(page));
+      continue;
+    }
+    handle_wake_.wait_for(lock, kHandleThreadIdlePoll);  // bounded: re-checks stopping_
+  }
+}
+
+HandlePoolStats CudaBackend::handle_stats() const {
+  std::lock_guard<std::mutex> lock(spare_mutex_);
+  return {static_cast<int64_t>(spare_.size()), spare_capacity_, created_, released_,
+          taken_from_pool_, created_on_map_, offset_mapping_, run_unmap_};
+}
+
+void CudaBackend::release_spare() {
+  std::vector<std::unique_ptr<PhysicalPage>> spares;
+  {
+    std::lock_guard<std::mutex> lock(spare_mutex_);
+    ahead_ = 0;
+    spares.swap(spare_);
+    released_ += static_cast<int64_t>(spares.size());
+  }
+  ScopedContext current(context_);
+  spares.clear();  // cuMemRelease on the caller's thread, without the lock
+}
+
+bool CudaBackend::handle_thread_idle() const {
+  std::lock_guard<std::mutex> lock(spare_mutex_);
+  return !handle_thread_busy_ && to_release_.empty() &&
+         (ahead_ == 0 || static_cast<int64_t>(spare_.size()) >= spare_capacity_);
+}
+
+}  // namespace kvasync

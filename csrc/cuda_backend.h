@@ -1,0 +1,221 @@
+// CUDA backend: physical handles mapped into reserved device ranges (CUDA virtual memory).
+//
+// Note [CUDA backend]
+// ~~~~~~~~~~~~~~~~~~~
+// Rationale: a KV cache that grows and shrinks page by page, at a cost close to the driver's floor
+// (DESIGN.md, "Measured limits": create 8 us, map 0.6 us, set-access ~25 us per *call*, unmap
+// 16 us), with every driver failure a value and never an abort().
+// Approach:
+//  - The driver is dlopen'ed (Note [Loading the driver] in cuda_driver.h). Everything runs in the
+//    primary context of the configured device (the one PyTorch uses), retained once here and made
+//    current on whichever thread calls in (the mapper thread, the handle thread, the destructor).
+//  - Page memory: one PhysicalPage per mapped page id. With R ranges it is one handle of
+//    R * page_size bytes mapped at offset r * page_size into range r (cuMemMap's offset), so the
+//    handle pool is keyed by page id, not by range. Drivers that refuse a non-zero offset (cuda.h
+//    still documents "must be zero") are detected by a probe at construction; then a PhysicalPage
+//    holds R handles of page_size. The contiguous layout is R = 1: one handle, one map, one access.
+//  - Batching: map() maps a run of consecutive pages and calls cuMemSetAccess once per range for
+//    the whole run. unmap() unmaps a run with one cuMemUnmap per range when the driver accepts a
+//    range spanning several mappings (probed too), else page by page.
+//  - Handle pool: unmapped PhysicalPages are kept as spares, up to `spare_pages` (the reserve's
+//    high watermark), instead of being released; a map takes spares first. A background handle
+//    thread creates replacements ahead of need for the spares maps consume, and releases the
+//    surplus, so the mapper thread usually pays only cuMemMap + cuMemSetAccess (+ cuMemUnmap).
+//  - Memory headroom: every cuMemCreate (mapper or handle thread) first checks that the device
+//    stays at or below gpu_utilization * total, from cuMemGetInfo in signed int64 arithmetic: a
+//    nearly full device gives a negative headroom, i.e. none. A map that would cross it fails with
+//    "CUDA_ERROR_OUT_OF_MEMORY: ... would exceed gpu_utilization ...". The backend cannot tell a
+//    reserve refill from a request, so the guard applies to both (a request then gets MapError).
+//  - Fences are CUevents (Note [Unmap safety] in page_pool.h): wait_fence polls cuEventQuery with
+//    short sleeps until the deadline; release_fence destroys the event. No device-wide sync.
+// Invariants:
+//  - map() is all or nothing: on any failure, every cuMemMap of the call is undone and its
+//    PhysicalPages go back to the pool. No driver error aborts; each is "<CUDA_ERROR_NAME>: ...".
+//  - mapped_ is touched only by the mapper thread (and the destructor); the spare pool is shared
+//    with the handle thread under spare_mutex_, which is never held across a driver call.
+//  - Spare handles are physical memory in use on the device: at most `spare_pages` page ids of it.
+//    release_spare() gives them back (and stops creating ahead until the next map).
+// lock order: PagePool::mutex_ is never held here; spare_mutex_ is a leaf.
+// Limitations: one device per backend; handles are not exportable (no IPC).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend.h"
+#include "cuda_driver.h"
+
+namespace kvasync {
+
+// The device's primary context, retained for the backend's lifetime.
+class PrimaryContext {
+ public:
+  explicit PrimaryContext(int device);  // throws BackendError
+  ~PrimaryContext();
+  PrimaryContext(const PrimaryContext&) = delete;
+  PrimaryContext& operator=(const PrimaryContext&) = delete;
+  PrimaryContext(PrimaryContext&&) = delete;
+  PrimaryContext& operator=(PrimaryContext&&) = delete;
+
+  cuda::CUresult make_current() const;
+  int device() const { return device_; }
+  cuda::CUdevice handle() const { return handle_; }
+
+ private:
+  int device_;
+  cuda::CUdevice handle_ = 0;
+  cuda::CUcontext context_ = nullptr;
+};
+
+// Makes a context current for a scope and restores the caller's afterwards.
+class ScopedContext {
+ public:
+  explicit ScopedContext(const PrimaryContext& context);
+  ~ScopedContext();
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+  ScopedContext(ScopedContext&&) = delete;
+  ScopedContext& operator=(ScopedContext&&) = delete;
+  cuda::CUresult status() const { return status_; }
+
+ private:
+  cuda::CUcontext previous_ = nullptr;
+  cuda::CUresult status_;
+};
+
+// One reserved virtual range.
+class AddressReservation {
+ public:
+  AddressReservation(size_t bytes, size_t alignment);  // throws BackendError
+  ~AddressReservation();
+  AddressReservation(const AddressReservation&) = delete;
+  AddressReservation& operator=(const AddressReservation&) = delete;
+  AddressReservation(AddressReservation&&) = delete;
+  AddressReservation& operator=(AddressReservation&&) = delete;
+  cuda::CUdeviceptr base() const { return base_; }
+
+ private:
+  cuda::CUdeviceptr base_ = 0;
+  size_t bytes_;
+};
+
+// The physical memory of one page id: one handle (offset mapping) or one handle per range.
+class PhysicalPage {
+ public:
+  // Returns the page, or nullptr with `error` set ("<CUDA_ERROR_NAME>: cuMemCreate ...").
+  static std::unique_ptr<PhysicalPage> create(const cuda::CUmemAllocationProp& prop,
+                                              size_t handle_bytes, int num_handles,
+                                              std::string& error);
+  ~PhysicalPage();
+  PhysicalPage(const PhysicalPage&) = delete;
+  PhysicalPage& operator=(const PhysicalPage&) = delete;
+  PhysicalPage(PhysicalPage&&) = delete;
+  PhysicalPage& operator=(PhysicalPage&&) = delete;
+  cuda::CUmemGenericAllocationHandle handle(int index) const { return handles_[index]; }
+
+ private:
+  PhysicalPage() = default;
+  std::vector<cuda::CUmemGenericAllocationHandle> handles_;
+};
+
+// A non-blocking stream of the device's primary context (fences recorded after an event).
+class Stream {
+ public:
+  explicit Stream(const PrimaryContext& context);  // throws BackendError
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  Stream(Stream&&) = delete;
+  Stream& operator=(Stream&&) = delete;
+  cuda::CUstream get() const { return stream_; }
+
+ private:
+  cuda::CUstream stream_ = nullptr;
+};
+
+struct HandlePoolStats {
+  int64_t spare_pages, spare_capacity, created, released, taken_from_pool, created_on_map;
+  bool offset_mapping, run_unmap;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  // Throws std::invalid_argument (bad sizes) or BackendError (no driver, reserve failed).
+  CudaBackend(int device, int num_ranges, int64_t num_pages, int64_t page_size,
+              int64_t spare_pages, double gpu_utilization);
+  ~CudaBackend() override;
+
+  const char* name() const override { return "cuda"; }
+  int64_t page_size() const override { return page_size_; }
+  int num_ranges() const override { return num_ranges_; }
+  int64_t num_pages() const override { return num_pages_; }
+  uintptr_t range_base(int range) const override;
+  const char* out_of_memory_name() const override { return "CUDA_ERROR_OUT_OF_MEMORY"; }
+
+  BackendResult map(int64_t first, int64_t count) override;
+  BackendResult unmap(int64_t first, int64_t count) override;
+  BackendResult wait_fence(uintptr_t fence, std::chrono::steady_clock::time_point deadline) override;
+  void release_fence(uintptr_t fence) override;
+
+  int device() const { return context_.device(); }
+  int64_t granularity() const { return granularity_; }
+  HandlePoolStats handle_stats() const;
+  // Releases every spare handle (in the handle thread) and stops creating ahead until next map.
+  void release_spare();
+  // True when the handle thread has nothing left to create or release.
+  bool handle_thread_idle() const;
+
+  // The driver's minimum allocation granularity of `device`. Throws BackendError.
+  static int64_t device_granularity(int device);
+  // The device of the live CudaBackend whose range 0 starts at `base`, or -1.
+  static int device_of_range(uintptr_t base);
+  // A new CUevent (owned by the caller, to be handed to the pool) recorded on `stream`, or, when
+  // `after_event` is not 0, completing after that event (recorded on a private stream that waits
+  // for it). Runs on the caller's thread; throws BackendError.
+  static uintptr_t record_fence(int device, uintptr_t stream, uintptr_t after_event);
+
+ private:
+  cuda::CUdeviceptr address(int range, int64_t page) const {
+    return ranges_[range]->base() + static_cast<cuda::CUdeviceptr>(page * page_size_);
+  }
+  void probe_driver();
+  BackendResult headroom_check(int64_t pages) const;
+  BackendResult take_pages(int64_t count, std::vector<std::unique_ptr<PhysicalPage>>& out);
+  void give_back(std::vector<std::unique_ptr<PhysicalPage>> pages);
+  BackendResult map_page(int range, int64_t page, const PhysicalPage& memory);
+  BackendResult unmap_run(int range, int64_t first, int64_t count);
+  void handle_thread_main();
+
+  const cuda::CudaDriver& driver_;
+  PrimaryContext context_;
+  int num_ranges_;
+  int64_t num_pages_;
+  int64_t page_size_;
+  int64_t granularity_ = 0;
+  double gpu_utilization_;
+  cuda::CUmemAllocationProp prop_{};
+  cuda::CUmemAccessDesc access_{};
+  bool offset_mapping_ = true;  // one handle per page id (else one per range)
+  bool run_unmap_ = true;       // cuMemUnmap accepts a run of several mappings
+  std::vector<std::unique_ptr<AddressReservation>> ranges_;
+  std::vector<std::unique_ptr<PhysicalPage>> mapped_;  // by page id; mapper thread only
+
+  // Handle pool, shared with the handle thread.
+  const int64_t spare_capacity_;
+  mutable std::mutex spare_mutex_;
+  std::condition_variable handle_wake_;
+  std::vector<std::unique_ptr<PhysicalPage>> spare_;
+  std::vector<std::unique_ptr<PhysicalPage>> to_release_;
+  int64_t ahead_ = 0;  // spares the handle thread should create
+  bool stopping_ = false;
+  bool handle_thread_busy_ = false;
+  int64_t created_ = 0, released_ = 0, taken_from_pool_ = 0, created_on_map_ = 0;
+  std::thread handle_thread_;
+};
+
+}  // namespace kvasync
