@@ -263,7 +263,7 @@ def sweep(kernels: ModuleType, args: argparse.Namespace) -> None:
 
     cache = make_cache("per-layer", args)
     table = kernels.block_table(cache.buffers)
-    n = min(args.blocks)
+    n = max(args.blocks)
     perm = torch.randperm(args.num_blocks, device=DEVICE)
     ids, dst_ids = perm[:n].contiguous(), perm[n : 2 * n].contiguous()
     shape = (n, args.layers, 2, args.block_size, args.heads, args.head_dim)
@@ -271,8 +271,8 @@ def sweep(kernels: ModuleType, args: argparse.Namespace) -> None:
     gib = n * len(cache.buffers) * cache.block_bytes / 2**30
     defaults = block_copy._CHUNK_BYTES, block_copy._NUM_WARPS
     print(f"sweep, per-layer, {n} blocks: TB/s of gather scatter copy zero")
-    for chunk in (4096, 8192, 16384, 32768):
-        for warps in (4, 8):
+    for chunk in (2048, 4096, 8192):
+        for warps in (4, 8, 16):
             block_copy._CHUNK_BYTES, block_copy._NUM_WARPS = chunk, warps
             tbps = [
                 moved * 2**30 / time_ms(fn) / 1e9

@@ -54,11 +54,13 @@ from triton import knobs
 # NOTE: decided when the kernels below are defined, exactly as triton.jit decides it.
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
-# Bytes one program moves per loop iteration (8 KiB: 4 x 16-byte vectors per thread at 4 warps).
-_CHUNK_BYTES = 8192
+# Bytes one program moves per loop iteration: 4 KiB, one 16-byte vector per thread at 8 warps.
+# On an H200 (bench/RESULTS.md) 8 KiB chunks were 2-4% slower on 32 KiB blocks; 2-4 KiB chunks
+# at 4-16 warps were all within 1%.
+_CHUNK_BYTES = 4096
 # Below this many bytes a chunk is too small to be worth avoiding a mask for.
-_MIN_EVEN_CHUNK_BYTES = 2048
-_NUM_WARPS = 4  # at most
+_MIN_EVEN_CHUNK_BYTES = 1024
+_NUM_WARPS = 8  # at most
 _MAX_ALIGN = 16
 _UNIT_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 _UNIT_TL = {4: tl.int32, 2: tl.int16, 1: tl.int8}

@@ -220,7 +220,7 @@ ODD_SHAPES = {
     "odd_elements": (1, 2, 3, (3, 1, 5), torch.float16),
     "single_block": (2, 2, 1, (4, 2, 16), torch.float32),
     "k_only": (3, 1, 4, (2, 2, 8), torch.int8),
-    "loop_of_chunks": (1, 2, 3, (16, 2, 128), torch.float32),  # 16 KiB: two unmasked chunks
+    "loop_of_chunks": (1, 2, 3, (16, 2, 128), torch.float32),  # 16 KiB: four unmasked chunks
     "loop_with_mask": (1, 1, 3, (1, 1, 4100), torch.float16),  # 8200 bytes: masked chunks
     "chunks_of_2k": (1, 1, 3, (16, 2, 80), torch.float32),  # 10 KiB: five 2 KiB chunks
 }
@@ -419,8 +419,39 @@ def test_error_names_at_most_eight_ids() -> None:
         _block_ops.zero(cache.buffers, list(range(20)), kv_buffers=2, is_allocated=lambda ids: ids)
 
 
-# NOTE: a test through the allocator's own host-mapped memory (kv.layer views) belongs here once
-# kvasync.open_allocator exists; it did not when these tests were written.
+# --- the allocator's own memory ----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("contiguous", [False, True], ids=["per-layer", "contiguous"])
+async def test_block_ops_on_the_allocators_host_mapped_memory(
+    engine: str, contiguous: bool
+) -> None:
+    # Only allocated blocks are mapped: touching any other one faults, so this also pins that an
+    # unallocated id is refused before anything touches memory.
+    from kvasync import Config, KVLayout, open_allocator
+
+    # 512-byte blocks (4 KiB across layers): a whole number of them in a 2 MiB page.
+    layout = KVLayout(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=2, contiguous=contiguous
+    )
+    async with open_allocator(layout, Config(backend="host", max_blocks=4096)) as kv:
+        ids = await kv.alloc(4)
+        buffers = [b for i in range(4) for b in kv.layer(i)]
+        allocated = allocated_only(set(ids))
+        kw: dict[str, object] = {"kv_buffers": 2, "is_allocated": allocated}
+        src = random_tensor((4, 4, 2, 2, 2, 64), torch.float16, "cpu")
+        _block_ops.scatter(buffers, ids, src, **kw)
+        assert torch.equal(bits(_block_ops.gather(buffers, ids, **kw)), bits(src))
+        _block_ops.copy(buffers, ids[:1], ids[1:2], **kw)
+        _block_ops.zero(buffers, ids[2:3], **kw)
+        expected = src.clone()
+        expected[1] = src[0]
+        expected[2] = 0
+        assert torch.equal(bits(_block_ops.gather(buffers, ids, **kw)), bits(expected))
+        unmapped = next(i for i in range(kv.num_blocks - 1, -1, -1) if i not in ids)
+        with pytest.raises(ValueError, match=rf"not allocated: \[{unmapped}\]"):
+            _block_ops.gather(buffers, [ids[0], unmapped], **kw)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU runs the kernels compiled")

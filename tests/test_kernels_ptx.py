@@ -29,7 +29,7 @@ GLOBAL_ACCESS = re.compile(r"\b((?:ld|st)\.global(?:\.\w+)*)\s")
 
 # name: (block_size, num_kv_heads, head_dim, dtype, block stride in elements or None: packed)
 LAYOUTS = {
-    "fp16_16x8x128": (16, 8, 128, torch.float16, None),  # 32 KiB, four unmasked 8 KiB chunks
+    "fp16_16x8x128": (16, 8, 128, torch.float16, None),  # 32 KiB, eight unmasked 4 KiB chunks
     "fp8_interleaved": (16, 8, 128, torch.float8_e4m3fn, 64 * 16 * 8 * 128),
     "fp32_head_dim_80": (16, 2, 80, torch.float32, None),  # 10 KiB, five 2 KiB chunks
     "bf16_masked": (2, 3, 80, torch.bfloat16, None),  # 960 bytes: one masked chunk
