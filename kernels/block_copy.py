@@ -37,7 +37,9 @@ Implementation:
 
 Limitations: nothing is validated here (kvasync._block_ops does that before any launch); ids must
 be in range; scatter and copy destinations must be distinct, or programs race. A launch runs on
-the current CUDA device and stream. num_buffers is a grid axis, at most 65535.
+the current CUDA device and stream. num_buffers is a grid axis, at most 65535. The chunk count
+is a constexpr (Triton 3.6's interpreter cannot loop to a runtime bound under numpy 2.4), so each
+block geometry compiles once.
 """
 
 from __future__ import annotations
