@@ -13,12 +13,12 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 # -- allocator fixtures -----------------------------------------------------------------------
-import asyncio  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+import asyncio
+from collections.abc import Callable
 
-import pytest  # noqa: E402
+import pytest
 
-import kvasync  # noqa: E402
+import kvasync
 
 
 def _has_cuda_driver() -> bool:
