@@ -15,6 +15,10 @@ using namespace kvasync::cuda;
 
 constexpr auto kHandleThreadIdlePoll = std::chrono::milliseconds(100);  // bounded idle wait
 constexpr auto kFencePollMax = std::chrono::microseconds(500);
+// The handle thread waits until maps and unmaps have been quiet this long: a map followed soon by
+// an unmap gets its handles back from the unmap (no create, no release), and the thread's driver
+// calls do not contend with the mapper's (the driver serialises them).
+constexpr auto kHandleGrace = std::chrono::milliseconds(5);
 
 const CudaDriver& checked_driver() {
   const CudaDriver& driver = CudaDriver::get();
@@ -266,6 +270,7 @@ BackendResult CudaBackend::take_pages(int64_t count,
     }
     from_pool = static_cast<int64_t>(out.size());
     taken_from_pool_ += from_pool;
+    last_activity_ = std::chrono::steady_clock::now();
     // Create ahead of the next need what this map consumed (Note [CUDA backend]).
     ahead_ = std::min(ahead_ + count, spare_capacity_ - static_cast<int64_t>(spare_.size()));
   }
@@ -300,6 +305,7 @@ void CudaBackend::give_back(std::vector<std::unique_ptr<PhysicalPage>> pages) {
       }
     }
     ahead_ = std::min(ahead_, spare_capacity_ - static_cast<int64_t>(spare_.size()));
+    last_activity_ = std::chrono::steady_clock::now();
   }
   if (surplus && spare_capacity_ == 0) {  // no handle thread: release here, without the lock
     std::vector<std::unique_ptr<PhysicalPage>> surplus_pages;
@@ -480,6 +486,13 @@ void CudaBackend::handle_thread_main() {
   context_.make_current();
   std::unique_lock<std::mutex> lock(spare_mutex_);
   while (!stopping_) {
+    const bool work = !to_release_.empty() ||
+                      (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
+    const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+    if (work && quiet < kHandleGrace) {
+      handle_wake_.wait_for(lock, kHandleGrace - quiet);  // bounded
+      continue;
+    }
     if (!to_release_.empty()) {
       std::vector<std::unique_ptr<PhysicalPage>> surplus;
       surplus.swap(to_release_);

@@ -21,6 +21,8 @@
 //    high watermark), instead of being released; a map takes spares first. A background handle
 //    thread creates replacements ahead of need for the spares maps consume, and releases the
 //    surplus, so the mapper thread usually pays only cuMemMap + cuMemSetAccess (+ cuMemUnmap).
+//    It starts only once maps and unmaps have been quiet for a few ms: an unmap that follows a
+//    map closely refills the pool itself, and the two threads' driver calls do not contend.
 //  - Memory headroom: every cuMemCreate (mapper or handle thread) first checks that the device
 //    stays at or below gpu_utilization * total, from cuMemGetInfo in signed int64 arithmetic: a
 //    nearly full device gives a negative headroom, i.e. none. A map that would cross it fails with
@@ -40,6 +42,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -214,6 +217,7 @@ class CudaBackend final : public Backend {
   int64_t ahead_ = 0;  // spares the handle thread should create
   bool stopping_ = false;
   bool handle_thread_busy_ = false;
+  std::chrono::steady_clock::time_point last_activity_{};  // last map or unmap (kHandleGrace)
   int64_t created_ = 0, released_ = 0, taken_from_pool_ = 0, created_on_map_ = 0;
   std::thread handle_thread_;
 };

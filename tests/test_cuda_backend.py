@@ -98,8 +98,8 @@ async def test_writes_through_layer_views_read_back_in_torch_kernels(contiguous)
 @pytest.mark.asyncio
 async def test_unmap_after_free_with_a_fence_waits_for_the_running_kernel(after):
     kv_layout = layout(SMALL, False)
-    # The reserve holds exactly the page, so nothing but trim() unmaps it.
-    async with kvasync.open_allocator(kv_layout, cuda_config(reserve_pages=(1, 1))) as kv:
+    # No refill, and the reserve may hold the page: nothing but trim() unmaps it.
+    async with kvasync.open_allocator(kv_layout, cuda_config(reserve_pages=(0, 1))) as kv:
         ids = await kv.alloc(512, timeout=5.0)  # one whole page
         k, _v = kv.layer(0)
         index = torch.tensor(ids, device="cuda")
