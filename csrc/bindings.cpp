@@ -45,6 +45,25 @@ py::list to_list(const std::vector<int64_t>& blocks) {
   return out;
 }
 
+// Block ids from a Python list (the hot path: read directly) or any other sequence of ints.
+std::vector<int64_t> to_block_ids(py::handle blocks) {
+  if (PyList_CheckExact(blocks.ptr())) {
+    const Py_ssize_t n = PyList_GET_SIZE(blocks.ptr());
+    std::vector<int64_t> out(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(blocks.ptr(), i);
+      const long long value = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
+      if (!PyLong_Check(item) || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return blocks.cast<std::vector<int64_t>>();  // the general path raises a clear TypeError
+      }
+      out[static_cast<size_t>(i)] = value;
+    }
+    return out;
+  }
+  return blocks.cast<std::vector<int64_t>>();
+}
+
 py::dict stats_dict(const PoolStats& s) {
   py::dict d;
   d["num_blocks"] = s.num_blocks;
@@ -156,8 +175,8 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("n"))
       .def("free",
-           [](PoolHandle& pool, const std::vector<int64_t>& blocks, uintptr_t fence) {
-             pool->free(blocks, fence);
+           [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {
+             pool->free(to_block_ids(blocks), fence);
            },
            py::arg("blocks"), py::arg("fence") = 0)
       .def("cancel",

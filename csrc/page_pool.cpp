@@ -260,7 +260,12 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
     return blocks;
   }
   const int64_t id = next_request_id_++;
-  waiters_.push_back({id, n, to_time_point(deadline_s)});
+  // A negative deadline means "now + default_timeout": the hot path need not read the clock.
+  const Clock::time_point deadline =
+      deadline_s < 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                          std::chrono::duration<double>(config_.default_timeout_s))
+                     : to_time_point(deadline_s);
+  waiters_.push_back({id, n, deadline});
   waiting_blocks_ += n;
   plan_maps();
   plan_refill();

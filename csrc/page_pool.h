@@ -100,6 +100,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   PagePool& operator=(const PagePool&) = delete;
 
   // Hot path and waits. An alloc returns its blocks, or the id of the waiter it became.
+  // `deadline_s` is a CLOCK_MONOTONIC time in seconds, or negative for now + default_timeout.
   std::variant<std::vector<int64_t>, int64_t> alloc(int64_t n, double deadline_s);
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
   // `fence` (0 = none) is device work still using the blocks; the pool takes ownership of it.

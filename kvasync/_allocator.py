@@ -80,6 +80,8 @@ class Allocator:
         self._layout = layout
         self._config = config
         self._loop = loop
+        self._default_timeout = config.default_timeout  # read on the hot path
+        self._zero_on_alloc = config.zero_on_alloc
         blocks_per_page = layout.blocks_per_page(config.page_size)
         num_pages = -(-config.max_blocks // blocks_per_page)
         self._page_bytes = config.page_size * layout.num_ranges
@@ -146,13 +148,17 @@ class Allocator:
         if type(n) is not int or n <= 0:
             n = _check_count(n)
         if timeout is None and deadline is None:
-            due = self._loop.time() + self._config.default_timeout
+            # The hot path reads no clock: -1 tells the pool "now + default_timeout".
+            result = self._pool.alloc(n, -1.0)
+            if isinstance(result, int):  # it became a waiter
+                due = self._loop.time() + self._default_timeout
+                result = await self._wait(result, due, f"alloc of {n} blocks")
         else:
             due = self._deadline(timeout, deadline)
-        result = self._pool.alloc(n, due)
-        if isinstance(result, int):  # it became a waiter
-            result = await self._wait(result, due, f"alloc of {n} blocks")
-        if self._config.zero_on_alloc:
+            result = self._pool.alloc(n, due)
+            if isinstance(result, int):
+                result = await self._wait(result, due, f"alloc of {n} blocks")
+        if self._zero_on_alloc:
             self._zero_blocks(result)
         return result
 
@@ -171,7 +177,8 @@ class Allocator:
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
-        n = _check_count(n)
+        if type(n) is not int or n <= 0:
+            n = _check_count(n)
         result = self._pool.alloc_nowait(n)
         if result is None:
             if n > self._limit_blocks():
@@ -182,7 +189,7 @@ class Allocator:
                 f"{n} mapped free blocks are not available now "
                 f"({self._pool.stats()['free_blocks']} free); use await alloc()"
             )
-        if self._config.zero_on_alloc:
+        if self._zero_on_alloc:
             self._zero_blocks(result)
         return result
 
