@@ -45,23 +45,46 @@ py::list to_list(const std::vector<int64_t>& blocks) {
   return out;
 }
 
-// Block ids from a Python list (the hot path: read directly) or any other sequence of ints.
+// Block ids from a Python list of ints (the hot path: read directly) or any sequence of
+// integers (tuple, 1-D tensor, numpy array): a clear TypeError/ValueError otherwise.
 std::vector<int64_t> to_block_ids(py::handle blocks) {
-  if (PyList_CheckExact(blocks.ptr())) {
-    const Py_ssize_t n = PyList_GET_SIZE(blocks.ptr());
+  PyObject* list = blocks.ptr();
+  if (PyList_CheckExact(list)) {
+    const Py_ssize_t n = PyList_GET_SIZE(list);
     std::vector<int64_t> out(static_cast<size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = PyList_GET_ITEM(blocks.ptr(), i);
-      const long long value = PyLong_Check(item) ? PyLong_AsLongLong(item) : -1;
-      if (!PyLong_Check(item) || (value == -1 && PyErr_Occurred())) {
+    bool exact = true;
+    for (Py_ssize_t i = 0; i < n && exact; ++i) {
+      PyObject* item = PyList_GET_ITEM(list, i);
+      exact = PyLong_CheckExact(item);
+      if (exact) out[static_cast<size_t>(i)] = PyLong_AsLongLong(item);
+      if (exact && out[static_cast<size_t>(i)] == -1 && PyErr_Occurred()) {
         PyErr_Clear();
-        return blocks.cast<std::vector<int64_t>>();  // the general path raises a clear TypeError
+        throw py::value_error("free: block id out of range of int64");
       }
-      out[static_cast<size_t>(i)] = value;
     }
-    return out;
+    if (exact) return out;
   }
-  return blocks.cast<std::vector<int64_t>>();
+  py::object seq = py::reinterpret_steal<py::object>(
+      PySequence_Fast(list, "free: block ids must be a sequence of ints"));
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  std::vector<int64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+    if (!index) {
+      PyErr_Clear();
+      throw py::type_error(std::string("free: block ids must be ints, got ") +
+                           Py_TYPE(item)->tp_name);
+    }
+    const long long value = PyLong_AsLongLong(index.ptr());
+    if (value == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      throw py::value_error("free: block id out of range of int64");
+    }
+    out[static_cast<size_t>(i)] = value;
+  }
+  return out;
 }
 
 py::dict stats_dict(const PoolStats& s) {

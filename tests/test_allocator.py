@@ -518,3 +518,18 @@ async def test_block_data_moves_through_the_allocator_in_every_layer(backend_nam
         with pytest.raises(ValueError, match="not allocated"):
             kv.gather([blocks[0], free_block])
         kv.free(blocks)
+
+
+async def test_free_takes_any_sequence_of_ints_and_rejects_other_ids(backend_name, small_layout):
+    async with kvasync.open_allocator(small_layout, config(backend_name)) as kv:
+        kv.free(tuple(await kv.alloc(3)))
+        kv.free(torch.tensor(await kv.alloc(3)))
+        blocks = await kv.alloc(2)
+        with pytest.raises(TypeError, match="must be ints, got str"):
+            kv.free([blocks[0], "1"])
+        with pytest.raises(TypeError, match="must be ints, got float"):
+            kv.free([float(blocks[0])])
+        with pytest.raises(ValueError, match="int64"):
+            kv.free([1 << 70])
+        assert kv.stats().used_blocks == 2  # nothing was freed by the failed calls
+        kv.free(blocks)
