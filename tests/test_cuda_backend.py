@@ -42,8 +42,14 @@ def cuda_config(**overrides: object) -> kvasync.Config:
 
 
 def sleep_cycles(seconds: float) -> int:
-    clock_khz = torch.cuda.get_device_properties(0).clock_rate  # kHz
-    return int(seconds * clock_khz * 1000)
+    """GPU clock cycles of ``torch.cuda._sleep`` that last about ``seconds``, measured."""
+    torch.cuda._sleep(1000)  # loads the kernel: the timed launch below measures the spin only
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(seconds * 10_000_000 / (start.elapsed_time(end) / 1000))
 
 
 # -- without a driver ---------------------------------------------------------------------------
@@ -107,12 +113,13 @@ async def test_unmap_after_free_with_a_fence_waits_for_the_running_kernel(after)
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(sleep_cycles(0.5))  # a long kernel, then one that reads the blocks
+            torch.cuda._sleep(sleep_cycles(1.0))  # a long kernel, then one that reads the blocks
             total = k[index].float().sum()
         fence: object = stream
         if after == "event":
             fence = torch.cuda.Event()
             fence.record(stream)
+        assert not stream.query(), "the long kernel must still be running at free()"
         kv.free(ids, after=fence)
         # The unmap must wait for the kernel: with a deadline shorter than it, the trim fails
         # and the page stays mapped.
