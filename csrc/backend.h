@@ -59,6 +59,10 @@ class Backend {
     return BackendResult::success();
   }
   virtual void release_fence(uintptr_t /*fence*/) {}
+
+  // Gives back physical memory the backend keeps for quick re-mapping (the cuda handle pool).
+  // Called by the mapper after a trim's unmaps.
+  virtual void release_cached() {}
 };
 
 }  // namespace kvasync

@@ -199,7 +199,14 @@ PYBIND11_MODULE(_core, m) {
            py::arg("n"))
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {
-             pool->free(to_block_ids(blocks), fence);
+             std::vector<int64_t> ids;
+             try {
+               ids = to_block_ids(blocks);
+             } catch (...) {
+               if (fence != 0) pool->discard_fence(fence);  // the pool owns it from here on
+               throw;
+             }
+             pool->free(ids, fence);
            },
            py::arg("blocks"), py::arg("fence") = 0)
       .def("cancel",

@@ -172,7 +172,7 @@ CudaBackend::~CudaBackend() {
       std::lock_guard<std::mutex> lock(spare_mutex_);
       stopping_ = true;
     }
-    handle_wake_.notify_all();
+    handle_wake_.notify();
     // NOTE: bounded by one driver call (create or release) in flight in that thread.
     handle_thread_.join();
   }
@@ -274,7 +274,7 @@ BackendResult CudaBackend::take_pages(int64_t count,
     // Create ahead of the next need what this map consumed (Note [CUDA backend]).
     ahead_ = std::min(ahead_ + count, spare_capacity_ - static_cast<int64_t>(spare_.size()));
   }
-  if (spare_capacity_ > 0) handle_wake_.notify_one();
+  if (spare_capacity_ > 0) handle_wake_.notify();
   const int64_t cold = count - from_pool;
   if (cold == 0) return BackendResult::success();
   BackendResult room = headroom_check(cold);
@@ -316,7 +316,7 @@ void CudaBackend::give_back(std::vector<std::unique_ptr<PhysicalPage>> pages) {
     }
     surplus_pages.clear();
   } else if (surplus) {
-    handle_wake_.notify_one();
+    handle_wake_.notify();
   }
 }
 
@@ -490,7 +490,9 @@ void CudaBackend::handle_thread_main() {
                       (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
     const auto quiet = std::chrono::steady_clock::now() - last_activity_;
     if (work && quiet < kHandleGrace) {
-      handle_wake_.wait_for(lock, kHandleGrace - quiet);  // bounded
+      lock.unlock();
+      handle_wake_.wait_for(kHandleGrace - quiet);  // bounded
+      lock.lock();
       continue;
     }
     if (!to_release_.empty()) {
@@ -525,7 +527,9 @@ void CudaBackend::handle_thread_main() {
       else to_release_.push_back(std::move(page));
       continue;
     }
-    handle_wake_.wait_for(lock, kHandleThreadIdlePoll);  // bounded: re-checks stopping_
+    lock.unlock();
+    handle_wake_.wait_for(kHandleThreadIdlePoll);  // bounded: re-checks stopping_
+    lock.lock();
   }
 }
 

@@ -43,7 +43,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,6 +51,7 @@
 
 #include "backend.h"
 #include "cuda_driver.h"
+#include "wakeup.h"
 
 namespace kvasync {
 
@@ -170,6 +170,7 @@ class CudaBackend final : public Backend {
   HandlePoolStats handle_stats() const;
   // Releases every spare handle (in the handle thread) and stops creating ahead until next map.
   void release_spare();
+  void release_cached() override { release_spare(); }
   // True when the handle thread has nothing left to create or release.
   bool handle_thread_idle() const;
 
@@ -211,7 +212,7 @@ class CudaBackend final : public Backend {
   // Handle pool, shared with the handle thread.
   const int64_t spare_capacity_;
   mutable std::mutex spare_mutex_;
-  std::condition_variable handle_wake_;
+  Wakeup handle_wake_;  // no condition variable: a timed eventfd wait
   std::vector<std::unique_ptr<PhysicalPage>> spare_;
   std::vector<std::unique_ptr<PhysicalPage>> to_release_;
   int64_t ahead_ = 0;  // spares the handle thread should create

@@ -50,6 +50,7 @@ class FaultBackend final : public Backend {
     return inner_->wait_fence(fence, deadline);
   }
   void release_fence(uintptr_t fence) override { inner_->release_fence(fence); }
+  void release_cached() override { inner_->release_cached(); }
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "backend.h"
+#include "wakeup.h"
 
 namespace kvasync {
 
@@ -38,8 +39,8 @@ class Mapper {
   static void run(std::shared_ptr<PagePool> pool, Mapper* self);
 
   std::atomic<bool> stopping_{false};
-  int wake_fd_ = -1;
-  int exited_fd_ = -1;
+  Wakeup wake_;    // work was queued, or stop
+  Wakeup exited_;  // the thread has left its loop
   bool joined_ = false;
   std::thread thread_;
 };

@@ -105,6 +105,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
   // `fence` (0 = none) is device work still using the blocks; the pool takes ownership of it.
   void free(const std::vector<int64_t>& blocks, uintptr_t fence = 0);
+  // Releases a fence that never reached free() (its ids could not even be read).
+  void discard_fence(uintptr_t fence) { backend_->release_fence(fence); }
   // Removes a waiter. Returns what it was waiting for, or nothing when it is no longer waiting
   // (its completion is already queued). `timed_out` counts it in stats.
   std::optional<std::string> cancel(int64_t request_id, bool timed_out);

@@ -125,6 +125,9 @@ async def test_unmap_after_free_with_a_fence_waits_for_the_running_kernel(after)
         # and the page stays mapped.
         with pytest.raises((kvasync.AllocTimeout, kvasync.MapError)):
             await kv.trim(timeout=0.05)
+        # The loop's timer and the mapper's fence wait share that deadline: the trim can time out
+        # while the mapper still holds the page (unmapping). Wait for it to hand the page back.
+        await wait_until(lambda: kv.stats().inflight_pages == 0, 5.0)
         assert kv.stats().mapped_pages == 1
         assert kv.stats().unmaps_done == 0
         await kv.trim(timeout=5.0)  # waits on the fence, then unmaps
