@@ -111,9 +111,14 @@ async def test_unmap_after_free_with_a_fence_waits_for_the_running_kernel(after)
         index = torch.tensor(ids, device="cuda")
         k[index] = 3.0
         torch.cuda.synchronize()
+        # A long wait, then a kernel that reads the blocks. NOTE: in slices of a quarter second:
+        # a whole second at the boost clock is close to 2**31 cycles, which would wrap to a spin
+        # that ends at once if the count is taken as 32-bit anywhere.
+        cycles = sleep_cycles(0.25)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(sleep_cycles(1.0))  # a long kernel, then one that reads the blocks
+            for _ in range(4):
+                torch.cuda._sleep(cycles)
             total = k[index].float().sum()
         fence: object = stream
         if after == "event":
