@@ -117,6 +117,10 @@ async def test_unmap_after_free_with_a_fence_waits_for_the_running_kernel(after)
         cycles = sleep_cycles(0.25)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
+            # Warm the caching allocator on this stream first: a cudaMalloc for the read below
+            # would synchronize the device (a fresh process has no cached segment on a new
+            # stream), so the long kernel would be over before free().
+            k[index].float().sum()
             for _ in range(4):
                 torch.cuda._sleep(cycles)
             total = k[index].float().sum()
