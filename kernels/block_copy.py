@@ -24,8 +24,13 @@ Implementation:
 - The kernels move raw bits, never values: every dtype (fp16, bf16, fp32, fp8, int8) is moved as
   the widest integer unit (int32, int16 or int8) that divides the block size, the block stride and
   every address. fp8 and bf16 need nothing special, and nothing is ever converted.
-- Grid (len(ids), num_buffers): one program per (block id, buffer), looping over the block in
+- Grid (num_buffers, len(ids)): one program per (buffer, block id), looping over the block in
   BLOCK-unit chunks; with 32 KiB blocks that is thousands of programs, enough to fill the GPU.
+  Buffers are the fastest axis, so programs running side by side work on the same block id: in
+  the contiguous (block-major) layout that is one contiguous stretch of memory, which fewer pages
+  and TLB entries cover than len(ids) scattered blocks (gather at 1024 blocks there was 0.84x the
+  copy peak with ids fastest; see bench/RESULTS.md). Ids are sliced into launches of at most
+  65535, the limit of grid axis 1.
 - Offsets are int64 throughout: a block id times the block stride overflows int32 on a large
   cache (and an int32 overflow makes Triton's interpreter read wild memory and segfault).
 - 16-byte vectors: a pointer loaded from a table carries no alignment information, so Triton
@@ -37,7 +42,7 @@ Implementation:
 
 Limitations: nothing is validated here (kvasync._block_ops does that before any launch); ids must
 be in range; scatter and copy destinations must be distinct, or programs race. A launch runs on
-the current CUDA device and stream. num_buffers is a grid axis, at most 65535. The chunk count
+the current CUDA device and stream. The chunk count
 is a constexpr (Triton 3.6's interpreter cannot loop to a runtime bound under numpy 2.4), so each
 block geometry compiles once.
 """
@@ -63,6 +68,7 @@ _CHUNK_BYTES = 4096
 # Below this many bytes a chunk is too small to be worth avoiding a mask for.
 _MIN_EVEN_CHUNK_BYTES = 1024
 _NUM_WARPS = 8  # at most
+_MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (axis 0 takes up to 2**31 - 1)
 _MAX_ALIGN = 16
 _UNIT_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 _UNIT_TL = {4: tl.int32, 2: tl.int16, 1: tl.int8}
@@ -83,8 +89,8 @@ def _gather_kernel(
     EVEN: tl.constexpr,  # BLOCK divides the block: no mask
     NUM_CHUNKS: tl.constexpr,  # loop iterations per block: cdiv(VEC * vecs_per_block, BLOCK)
 ):
-    i = tl.program_id(0).to(tl.int64)
-    buf = tl.program_id(1).to(tl.int64)
+    buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
+    i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
     base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
     base = tl.multiple_of(base, ALIGN)
@@ -115,8 +121,8 @@ def _scatter_kernel(
     EVEN: tl.constexpr,  # BLOCK divides the block: no mask
     NUM_CHUNKS: tl.constexpr,  # loop iterations per block: cdiv(VEC * vecs_per_block, BLOCK)
 ):
-    i = tl.program_id(0).to(tl.int64)
-    buf = tl.program_id(1).to(tl.int64)
+    buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
+    i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
     base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
     base = tl.multiple_of(base, ALIGN)
@@ -145,8 +151,8 @@ def _zero_kernel(
     EVEN: tl.constexpr,  # BLOCK divides the block: no mask
     NUM_CHUNKS: tl.constexpr,  # loop iterations per block: cdiv(VEC * vecs_per_block, BLOCK)
 ):
-    i = tl.program_id(0).to(tl.int64)
-    buf = tl.program_id(1).to(tl.int64)
+    buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
+    i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
     base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
     base = tl.multiple_of(base, ALIGN)
@@ -175,8 +181,8 @@ def _copy_kernel(
     EVEN: tl.constexpr,  # BLOCK divides the block: no mask
     NUM_CHUNKS: tl.constexpr,  # loop iterations per block: cdiv(VEC * vecs_per_block, BLOCK)
 ):
-    i = tl.program_id(0).to(tl.int64)
-    buf = tl.program_id(1).to(tl.int64)
+    buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
+    i = tl.program_id(1).to(tl.int64)
     src_id = tl.load(src_ids_ptr + i)
     dst_id = tl.load(dst_ids_ptr + i)
     base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
@@ -294,67 +300,74 @@ def _as_units(t: torch.Tensor, unit_bytes: int) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(_UNIT_DTYPES[unit_bytes])
 
 
+def _id_slices(n: int) -> list[slice]:
+    """Ids go on grid axis 1, which holds at most 65535 programs: one launch per slice."""
+    return [slice(start, min(start + _MAX_GRID_Y, n)) for start in range(0, n, _MAX_GRID_Y)]
+
+
 def gather_blocks(table: BlockTable, ids: torch.Tensor, out: torch.Tensor) -> None:
     """out[i, j] = block ids[i] of buffer j, for every buffer j, in one launch.
 
     `ids` is int64 on the buffers' device, `out` contiguous with len(ids) * num_buffers blocks.
     """
     plan = _plan(table, out)
-    grid = (ids.numel(), table.num_buffers)
-    _gather_kernel[grid](
-        table.pointers,
-        ids,
-        _as_units(out, plan.unit_bytes),
-        table.num_buffers,
-        plan.vecs_per_block,
-        plan.block_stride_vecs,
-        num_warps=plan.num_warps,
-        **plan.constexprs,
-    )
+    units = _as_units(out, plan.unit_bytes).view(ids.numel(), -1)
+    for part in _id_slices(ids.numel()):
+        _gather_kernel[(table.num_buffers, part.stop - part.start)](
+            table.pointers,
+            ids[part],
+            units[part],
+            table.num_buffers,
+            plan.vecs_per_block,
+            plan.block_stride_vecs,
+            num_warps=plan.num_warps,
+            **plan.constexprs,
+        )
 
 
 def scatter_blocks(table: BlockTable, ids: torch.Tensor, src: torch.Tensor) -> None:
     """Block ids[i] of buffer j = src[i, j], for every buffer j, in one launch (the reverse of
     `gather_blocks`; ids must be distinct)."""
     plan = _plan(table, src)
-    grid = (ids.numel(), table.num_buffers)
-    _scatter_kernel[grid](
-        table.pointers,
-        ids,
-        _as_units(src, plan.unit_bytes),
-        table.num_buffers,
-        plan.vecs_per_block,
-        plan.block_stride_vecs,
-        num_warps=plan.num_warps,
-        **plan.constexprs,
-    )
+    units = _as_units(src, plan.unit_bytes).view(ids.numel(), -1)
+    for part in _id_slices(ids.numel()):
+        _scatter_kernel[(table.num_buffers, part.stop - part.start)](
+            table.pointers,
+            ids[part],
+            units[part],
+            table.num_buffers,
+            plan.vecs_per_block,
+            plan.block_stride_vecs,
+            num_warps=plan.num_warps,
+            **plan.constexprs,
+        )
 
 
 def zero_blocks(table: BlockTable, ids: torch.Tensor) -> None:
     """Zero blocks `ids` (int64, on the buffers' device) of every buffer, in one launch."""
     plan = _plan(table)
-    grid = (ids.numel(), table.num_buffers)
-    _zero_kernel[grid](
-        table.pointers,
-        ids,
-        plan.vecs_per_block,
-        plan.block_stride_vecs,
-        num_warps=plan.num_warps,
-        **plan.constexprs,
-    )
+    for part in _id_slices(ids.numel()):
+        _zero_kernel[(table.num_buffers, part.stop - part.start)](
+            table.pointers,
+            ids[part],
+            plan.vecs_per_block,
+            plan.block_stride_vecs,
+            num_warps=plan.num_warps,
+            **plan.constexprs,
+        )
 
 
 def copy_blocks(table: BlockTable, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     """Block dst_ids[i] = block src_ids[i] in every buffer, in one launch (dst_ids distinct and
     disjoint from src_ids)."""
     plan = _plan(table)
-    grid = (src_ids.numel(), table.num_buffers)
-    _copy_kernel[grid](
-        table.pointers,
-        src_ids,
-        dst_ids,
-        plan.vecs_per_block,
-        plan.block_stride_vecs,
-        num_warps=plan.num_warps,
-        **plan.constexprs,
-    )
+    for part in _id_slices(src_ids.numel()):
+        _copy_kernel[(table.num_buffers, part.stop - part.start)](
+            table.pointers,
+            src_ids[part],
+            dst_ids[part],
+            plan.vecs_per_block,
+            plan.block_stride_vecs,
+            num_warps=plan.num_warps,
+            **plan.constexprs,
+        )
