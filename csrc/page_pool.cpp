@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -42,8 +43,20 @@ std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, Poo
   return pool;
 }
 
+namespace {
+int64_t page_count(const PoolConfig& config) {
+  return config.blocks_per_page > 0 ? (config.num_blocks + config.blocks_per_page - 1) /
+                                          config.blocks_per_page
+                                    : 0;
+}
+}  // namespace
+
 PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
-    : backend_(std::move(backend)), config_(config) {
+    : backend_(std::move(backend)),
+      config_(config),
+      unmapped_(std::max<int64_t>(page_count(config), 1)),
+      reserve_(std::max<int64_t>(page_count(config), 1)),
+      with_free_(std::max<int64_t>(page_count(config), 1)) {
   const int64_t bpp = config.blocks_per_page;
   if (config.num_blocks <= 0 || bpp <= 0) throw std::invalid_argument("empty pool");
   const int64_t num_pages = (config.num_blocks + bpp - 1) / bpp;
@@ -57,7 +70,7 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
   pages_.resize(num_pages);
   for (int64_t p = 0; p < num_pages; ++p) {
     pages_[p].num_blocks = static_cast<int32_t>(std::min(bpp, config.num_blocks - p * bpp));
-    unmapped_.insert(unmapped_.end(), p);
+    unmapped_.insert(p);
   }
   count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
   block_used_.assign(config.num_blocks, 0);
@@ -119,7 +132,7 @@ std::vector<int64_t> PagePool::take_blocks(int64_t n) {
   out.reserve(n);
   const int64_t bpp = config_.blocks_per_page;
   while (static_cast<int64_t>(out.size()) < n) {
-    const int64_t page = *with_free_.begin();
+    const int64_t page = with_free_.first();
     Page& p = pages_[page];
     if (p.used == 0) set_state(page, PageState::kInUse);
     while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {
@@ -141,7 +154,7 @@ std::vector<int64_t> PagePool::claim_unmapped(int64_t max_blocks, int64_t max_pa
   int64_t blocks = 0;
   while (blocks < max_blocks && static_cast<int64_t>(claimed.size()) < max_pages &&
          !unmapped_.empty()) {
-    const int64_t page = *unmapped_.begin();
+    const int64_t page = unmapped_.first();
     set_state(page, PageState::kMapping);
     blocks += pages_[page].num_blocks;
     claimed.push_back(page);
@@ -175,6 +188,16 @@ void PagePool::drop_fences(const std::vector<int64_t>& pages) {
     }
     pages_[page].fences.clear();
   }
+}
+
+std::vector<int64_t> PagePool::highest_reserve(int64_t max_pages) const {
+  // Highest first: allocation packs into the lowest pages, so these are the last to be needed.
+  std::vector<int64_t> pages;
+  for (int64_t page = reserve_.last(); page >= 0 && (int64_t)pages.size() < max_pages;
+       page = reserve_.prev(page - 1)) {
+    pages.push_back(page);
+  }
+  return pages;
 }
 
 void PagePool::push_job(Job job) {
@@ -230,10 +253,7 @@ void PagePool::plan_unmaps() {
   const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
   const int64_t excess = std::min(reserve, std::max(reserve - config_.reserve_high, over_limit));
   if (excess <= 0) return;
-  std::vector<int64_t> pages;
-  for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < excess; ++it) {
-    pages.push_back(*it);  // highest first: allocation packs into the lowest pages
-  }
+  std::vector<int64_t> pages = highest_reserve(excess);
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(config_.default_timeout_s));
   push_job(make_unmap_job(std::move(pages), 0, deadline));
@@ -376,7 +396,7 @@ int64_t PagePool::trim(double deadline_s) {
   check_open();
   if (reserve_.empty() || !waiters_.empty()) return 0;
   const int64_t id = next_request_id_++;
-  push_job(make_unmap_job({reserve_.begin(), reserve_.end()}, id, to_time_point(deadline_s)));
+  push_job(make_unmap_job(highest_reserve(reserve_.size()), id, to_time_point(deadline_s)));
   return id;
 }
 
@@ -399,10 +419,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   plan_maps();
   const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
   if (over <= 0 || !waiters_.empty() || reserve_.empty()) return 0;
-  std::vector<int64_t> pages;
-  for (auto it = reserve_.rbegin(); it != reserve_.rend() && (int64_t)pages.size() < over; ++it) {
-    pages.push_back(*it);
-  }
+  std::vector<int64_t> pages = highest_reserve(over);
   const int64_t id = next_request_id_++;
   push_job(make_unmap_job(std::move(pages), id, to_time_point(deadline_s)));
   return id;

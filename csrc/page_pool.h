@@ -50,7 +50,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -58,6 +57,7 @@
 #include "backend.h"
 #include "completion_queue.h"
 #include "mapper.h"
+#include "page_set.h"
 
 namespace kvasync {
 
@@ -154,6 +154,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void plan_refill();
   void plan_unmaps();
   std::vector<int64_t> claim_unmapped(int64_t max_blocks, int64_t max_pages);
+  std::vector<int64_t> highest_reserve(int64_t max_pages) const;
   void push_job(Job job);
   Job make_unmap_job(std::vector<int64_t> pages, int64_t request_id, Clock::time_point deadline);
   void drop_fences(const std::vector<int64_t>& pages);
@@ -174,9 +175,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   bool closed_ = false;
   std::vector<Page> pages_;
   std::vector<uint8_t> block_used_;
-  std::set<int64_t> unmapped_;        // kUnmapped page ids
-  std::set<int64_t> reserve_;         // kFree page ids
-  std::set<int64_t> with_free_;       // kFree and kInUse pages with a free block
+  PageSet unmapped_;                  // kUnmapped page ids
+  PageSet reserve_;                   // kFree page ids
+  PageSet with_free_;                 // kFree and kInUse pages with a free block
   std::map<Clock::time_point, std::vector<Job>> jobs_;  // deadline-ordered
   std::deque<Waiter> waiters_;        // FIFO
   int64_t next_request_id_ = 1;

@@ -113,3 +113,35 @@ def test_constructor_rejects_inconsistent_settings():
         _core.PagePool(backend, BLOCKS_PER_PAGE, BLOCKS_PER_PAGE, 4, 3, 1, 1.0)
     with pytest.raises(ValueError, match="page size"):
         _core.HostBackend(1, 4, 1000)
+
+
+def test_lowest_pages_are_used_first_and_highest_unmapped_first_across_thousands_of_pages():
+    # One block per page and more than 4096 pages: every level of the pool's page bitmaps.
+    num_pages = 9000
+    backend = _core.HostBackend(1, num_pages, 4096)
+    pool = _core.PagePool(backend, num_pages, 1, num_pages, 0, num_pages, 5.0)
+    try:
+        everything = pool.alloc(num_pages, time.monotonic() + 10.0)
+        assert isinstance(everything, int)
+        select.select([pool.completion_fd], [], [], 10.0)
+        ((_, status, everything, _),) = pool.drain()
+        assert status == 0 and sorted(everything) == list(range(num_pages))
+        pool.free([8500, 100, 5000, 4097, 4095])
+        # Mapped free pages are reused lowest first, whatever the order they were freed in.
+        assert [pool.alloc_nowait(1) for _ in range(5)] == [[100], [4095], [4097], [5000], [8500]]
+        pool.free([8500, 5000, 4097, 64, 0])
+        request = pool.trim(time.monotonic() + 10.0)
+        assert request > 0
+        select.select([pool.completion_fd], [], [], 10.0)
+        ((done, status, _, _),) = pool.drain()
+        assert (done, status) == (request, 0)
+        s = wait_idle(pool)
+        assert (s["unmapped_pages"], s["mapped_pages"], s["unmaps_done"]) == (5, 8995, 5)
+        # The lowest unmapped page is mapped first when blocks are needed again.
+        again = pool.alloc(2, time.monotonic() + 10.0)
+        assert isinstance(again, int)
+        select.select([pool.completion_fd], [], [], 10.0)
+        ((_, status, blocks, _),) = pool.drain()
+        assert status == 0 and sorted(blocks) == [0, 64]
+    finally:
+        assert pool.close(10.0)
