@@ -26,6 +26,7 @@ import operator
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,6 +100,7 @@ class Allocator:
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
+        self._kernel_table: Any = None  # kernels.BlockTable, built on first use
         self._closed = False
         self._fd = self._pool.completion_fd
         loop.add_reader(self._fd, self._on_completions)
@@ -278,6 +280,7 @@ class Allocator:
             out,
             kv_buffers=self._layout.kv_buffers,
             is_allocated=self._pool.unallocated,
+            table=self._block_table(),
         )
 
     def scatter(self, ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
@@ -295,6 +298,7 @@ class Allocator:
             src,
             kv_buffers=self._layout.kv_buffers,
             is_allocated=self._pool.unallocated,
+            table=self._block_table(),
         )
 
     def zero(self, ids: Sequence[int] | torch.Tensor) -> None:
@@ -310,6 +314,7 @@ class Allocator:
             ids,
             kv_buffers=self._layout.kv_buffers,
             is_allocated=self._pool.unallocated,
+            table=self._block_table(),
         )
 
     def copy(
@@ -329,6 +334,7 @@ class Allocator:
             dst_ids,
             kv_buffers=self._layout.kv_buffers,
             is_allocated=self._pool.unallocated,
+            table=self._block_table(),
         )
 
     # -- views and state --------------------------------------------------------------------
@@ -506,8 +512,21 @@ class Allocator:
 
         # The blocks were just handed out by the pool: no need to ask it again.
         _block_ops.zero(
-            self._buffers, ids, kv_buffers=self._layout.kv_buffers, is_allocated=_none_missing
+            self._buffers,
+            ids,
+            kv_buffers=self._layout.kv_buffers,
+            is_allocated=_none_missing,
+            table=self._block_table(),
         )
+
+    def _block_table(self) -> Any:
+        # The buffers never move (a fixed virtual range), so their pointer table is built once:
+        # building it copies it to the device, a host synchronization per call otherwise.
+        if self._kernel_table is None:
+            from . import kernels  # type: ignore[attr-defined]
+
+            self._kernel_table = kernels.block_table(self._buffers)
+        return self._kernel_table
 
 
 def _none_missing(ids: list[int]) -> list[int]:

@@ -38,8 +38,6 @@ IsAllocated = Callable[[list[int]], list[int]]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8)
 
-# A grid axis of the kernels runs over the buffers; CUDA limits it to 65535.
-_MAX_BUFFERS = 65535
 # Ids named in an error message, at most.
 _SHOWN_IDS = 8
 # Integer type of each element size: the torch fallback moves raw bits, like the kernels.
@@ -76,8 +74,6 @@ def _check_layout(buffers: Sequence[torch.Tensor], kv_buffers: int) -> _Layout:
             f"expected num_layers * kv_buffers buffers (kv_buffers={kv_buffers}), "
             f"got {len(buffers)}"
         )
-    if len(buffers) > _MAX_BUFFERS:
-        raise ValueError(f"at most {_MAX_BUFFERS} buffers are supported, got {len(buffers)}")
     first = buffers[0]
     for j, buf in enumerate(buffers):
         _check_buffer(j, buf, first)
@@ -216,6 +212,7 @@ def gather(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
+    table: kernels.BlockTable | None = None,
 ) -> torch.Tensor:
     """Copy blocks `ids` of every layer and buffer into one contiguous tensor.
 
@@ -228,6 +225,8 @@ def gather(
             when None.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
+        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+            caller: building it copies it to the device, which synchronizes with the host.
 
     Returns:
         `out`, or the new tensor: out[i, layer, kv] = buffers[layer * kv_buffers + kv][ids[i]].
@@ -250,7 +249,7 @@ def gather(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
-            kernels.gather_blocks(kernels.block_table(buffers), index, out)
+            kernels.gather_blocks(table or kernels.block_table(buffers), index, out)
     else:
         flat = _raw(out).view(len(values), len(buffers), *layout.block_shape)
         for j, buf in _raw_buffers(buffers):
@@ -265,6 +264,7 @@ def scatter(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
+    table: kernels.BlockTable | None = None,
 ) -> None:
     """Write `src` into blocks `ids` of every layer and buffer: the reverse of `gather`.
 
@@ -275,6 +275,8 @@ def scatter(
             [len(ids), num_layers, kv_buffers, block_size, num_kv_heads, head_dim].
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
+        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+            caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
         ValueError: a malformed buffer list, an id out of range, repeated or not allocated, a
@@ -291,7 +293,7 @@ def scatter(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
-            kernels.scatter_blocks(kernels.block_table(buffers), index, src)
+            kernels.scatter_blocks(table or kernels.block_table(buffers), index, src)
     else:
         flat = _raw(src).view(len(values), len(buffers), *layout.block_shape)
         for j, buf in _raw_buffers(buffers):
@@ -304,6 +306,7 @@ def zero(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
+    table: kernels.BlockTable | None = None,
 ) -> None:
     """Zero blocks `ids` in every layer and buffer.
 
@@ -312,6 +315,8 @@ def zero(
         ids: block ids to zero (repeats allowed), a sequence of ints or a 1-D integer tensor.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
+        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+            caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
         ValueError: a malformed buffer list, an id out of range or not allocated. Nothing is
@@ -325,7 +330,7 @@ def zero(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
-            kernels.zero_blocks(kernels.block_table(buffers), index)
+            kernels.zero_blocks(table or kernels.block_table(buffers), index)
     else:
         for _, buf in _raw_buffers(buffers):
             buf.index_fill_(0, index, 0)
@@ -338,6 +343,7 @@ def copy(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
+    table: kernels.BlockTable | None = None,
 ) -> None:
     """Copy block src_ids[i] to block dst_ids[i] in every layer and buffer (copy-on-write).
 
@@ -347,6 +353,8 @@ def copy(
         dst_ids: block ids to write, as many as `src_ids`, distinct and none in `src_ids`.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
+        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+            caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
         ValueError: a malformed buffer list, ids out of range or not allocated, id lists of
@@ -372,7 +380,7 @@ def copy(
     dst_index = _ids_tensor(dst_ids, dst_values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
-            kernels.copy_blocks(kernels.block_table(buffers), src_index, dst_index)
+            kernels.copy_blocks(table or kernels.block_table(buffers), src_index, dst_index)
     else:
         for _, buf in _raw_buffers(buffers):
             buf.index_copy_(0, dst_index, buf.index_select(0, src_index))
