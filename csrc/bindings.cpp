@@ -71,7 +71,8 @@ std::vector<int64_t> to_block_ids(py::handle blocks) {
   std::vector<int64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
-    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+    py::object index = py::reinterpret_steal<py::object>(
+        PyBool_Check(item) ? nullptr : PyNumber_Index(item));  // True is not block 1
     if (!index) {
       PyErr_Clear();
       throw py::type_error(std::string("free: block ids must be ints, got ") +

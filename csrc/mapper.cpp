@@ -43,12 +43,16 @@ bool Mapper::stop_and_join(double timeout_s) {
   return true;
 }
 
-BackendResult Mapper::run_job(Backend& backend, const Job& job) {
+BackendResult Mapper::run_job(Backend& backend, const Job& job,
+                              std::vector<int64_t>& still_mapped) {
   // One backend call per run of consecutive pages, so the driver sees batches.
   const bool mapping = job.kind != JobKind::kUnmap;
   for (uintptr_t fence : job.fences) {  // Note [Unmap safety]
     BackendResult idle = backend.wait_fence(fence, job.deadline);
-    if (!idle.ok) return idle;
+    if (!idle.ok) {
+      still_mapped = job.pages;  // nothing was touched
+      return idle;
+    }
   }
   BackendResult first_error;
   size_t start = 0;
@@ -64,6 +68,7 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job) {
         return result;
       }
       if (first_error.ok) first_error = result;
+      for (int64_t page = first; page < first + count; ++page) still_mapped.push_back(page);
     }
     done.emplace_back(first, count);
     start = end;
@@ -81,7 +86,9 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
       self->wake_.wait_for(kIdlePoll);  // bounded idle wait
       continue;
     }
-    pool->finish_job(*job, run_job(pool->mutable_backend(), *job));
+    std::vector<int64_t> still_mapped;
+    const BackendResult result = run_job(pool->mutable_backend(), *job, still_mapped);
+    pool->finish_job(*job, result, still_mapped);
   }
   self->exited_.notify();
   // `pool` is released here; when the thread was abandoned it may be the last reference.

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "backend.h"
 #include "wakeup.h"
@@ -33,7 +34,10 @@ class Mapper {
   bool stop_and_join(double timeout_s);
   bool joined() const { return joined_; }
 
-  static BackendResult run_job(Backend& backend, const Job& job);
+  // Runs a job against the backend. Fills `still_mapped` with the pages of unmap runs that
+  // failed (a failed map is rolled back whole).
+  static BackendResult run_job(Backend& backend, const Job& job,
+                               std::vector<int64_t>& still_mapped);
 
  private:
   static void run(std::shared_ptr<PagePool> pool, Mapper* self);

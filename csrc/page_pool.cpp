@@ -221,7 +221,20 @@ void PagePool::plan_maps() {
   if (waiters_.empty() || closed_) return;
   const int64_t deficit = waiting_blocks_ - free_blocks_ - incoming_for_waiters_;
   const int64_t headroom = headroom_pages();
-  if (deficit <= 0 || headroom <= 0) return;  // covered, or waiting for blocks to be freed
+  if (deficit > 0 && headroom <= 0) {
+    // NOTE: the last page may hold fewer blocks than the others, yet it costs a whole page of
+    // the limit. Parked in the reserve at the limit, it would keep a waiter that fits the limit
+    // from ever being served: give it back, and the full page that replaces it follows.
+    const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
+    if (pages_[last].num_blocks < config_.blocks_per_page &&
+        pages_[last].state == PageState::kFree && !unmapped_.empty()) {
+      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(config_.default_timeout_s));
+      push_job(make_unmap_job({last}, 0, deadline));
+    }
+    return;  // otherwise: waiting for blocks to be freed
+  }
+  if (deficit <= 0) return;  // covered by free blocks and the pages mapping for waiters
   // The job serves every waiter, so it lives as long as the latest of them.
   Clock::time_point deadline = waiters_.front().deadline;
   for (const Waiter& w : waiters_) deadline = std::max(deadline, w.deadline);
@@ -326,6 +339,13 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
     }
     block_used_[block] = 2;
   }
+  if (closed_) {
+    // The pages are gone (or going) with the allocator: record the blocks as freed, nothing more.
+    for (int64_t block : blocks) block_used_[block] = 0;
+    used_blocks_ -= static_cast<int64_t>(blocks.size());
+    if (fence != 0) backend_->release_fence(fence);
+    return;
+  }
   const int64_t bpp = config_.blocks_per_page;
   for (int64_t block : blocks) {
     block_used_[block] = 0;
@@ -343,8 +363,8 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
   const int64_t n = static_cast<int64_t>(blocks.size());
   used_blocks_ -= n;
   free_blocks_ += n;
-  if (closed_) return;
   serve_waiters();
+  plan_maps();  // a waiter still short at the memory limit may need the pages reshuffled
   plan_unmaps();
 }
 
@@ -430,6 +450,9 @@ bool PagePool::close(double timeout_s) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return mapper_.joined();
     closed_ = true;
+    // An idle mapper wakes at once when told to stop: give it a moment even at timeout 0, so
+    // that close() can still unmap everything. A mapper inside a backend call gets `timeout_s`.
+    if (!current_job_) timeout_s = std::max(timeout_s, 1.0);
     for (auto& [deadline, jobs] : jobs_) {
       for (const Job& job : jobs) revert_job(job);
     }
@@ -516,7 +539,8 @@ std::optional<Job> PagePool::next_job() {
   return std::nullopt;
 }
 
-void PagePool::finish_job(const Job& job, const BackendResult& result) {
+void PagePool::finish_job(const Job& job, const BackendResult& result,
+                          const std::vector<int64_t>& still_mapped) {
   std::lock_guard<std::mutex> lock(mutex_);
   current_job_.reset();
   const int64_t num_pages = static_cast<int64_t>(job.pages.size());
@@ -525,13 +549,20 @@ void PagePool::finish_job(const Job& job, const BackendResult& result) {
     last_error_ = result.error;
   }
   if (job.kind == JobKind::kUnmap) {
-    if (result.ok) {
-      for (int64_t page : job.pages) set_state(page, PageState::kUnmapped);
-      drop_fences(job.pages);
-      unmaps_done_ += num_pages;
-    } else {
-      revert_job(job);  // still mapped as far as we can tell: keep serving it
+    // Runs the backend failed to unmap are still mapped: they go back to the reserve. The
+    // others are gone, whatever happened to their neighbours.
+    std::vector<int64_t> unmapped;
+    for (int64_t page : job.pages) {
+      if (std::binary_search(still_mapped.begin(), still_mapped.end(), page)) {
+        set_state(page, PageState::kFree);
+        add_mapped_blocks(page);
+      } else {
+        set_state(page, PageState::kUnmapped);
+        unmapped.push_back(page);
+      }
     }
+    drop_fences(unmapped);
+    unmaps_done_ += static_cast<int64_t>(unmapped.size());
     if (job.request_id != 0) {
       completions_.push({job.request_id,
                          result.ok ? CompletionStatus::kOk : CompletionStatus::kMapError, {},
@@ -557,7 +588,9 @@ void PagePool::finish_job(const Job& job, const BackendResult& result) {
   // After a failure too: each failed job fails the waiter it was for, so a driver that keeps
   // failing ends every waiter's wait instead of looping.
   plan_maps();
-  plan_unmaps();
+  // Not after a failed unmap: its pages went back to the reserve, and retrying them at once
+  // would spin on a driver that keeps refusing. The next free or map retries.
+  if (result.ok || job.kind != JobKind::kUnmap) plan_unmaps();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -126,7 +126,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
 
   // The mapper thread's side (mapper.cpp).
   std::optional<Job> next_job();
-  void finish_job(const Job& job, const BackendResult& result);
+  // `still_mapped`: pages of an unmap job whose runs failed (ascending); empty otherwise.
+  void finish_job(const Job& job, const BackendResult& result,
+                  const std::vector<int64_t>& still_mapped);
   Backend& mutable_backend() { return *backend_; }
 
  private:

@@ -9,6 +9,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -33,7 +34,8 @@ class Wakeup {
   // Waits until notified or `timeout` passes; returns true when notified (and clears it).
   template <class Duration>
   bool wait_for(Duration timeout) {
-    const double ms = std::chrono::duration<double, std::milli>(timeout).count();
+    // Clamped to poll's int range (~24.8 days): a longer timeout must not wrap to "forever".
+    const double ms = std::min(std::chrono::duration<double, std::milli>(timeout).count(), 2e9);
     pollfd ready{fd_, POLLIN, 0};
     const int n = poll(&ready, 1, ms <= 0 ? 0 : static_cast<int>(std::ceil(ms)));
     if (n <= 0) return false;

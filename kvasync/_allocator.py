@@ -101,7 +101,7 @@ class Allocator:
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
         self._kernel_table: Any = None  # kernels.BlockTable, built on first use
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
         loop.add_reader(self._fd, self._on_completions)
 
@@ -389,15 +389,21 @@ class Allocator:
         Args:
             timeout: seconds to wait for the mapper thread; ``default_timeout`` when None.
         """
-        if self._closed:
-            return
-        self._closed = True
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
-        # pool.close releases the GIL and waits at most `wait`; run it off the loop thread so
-        # other tasks keep running meanwhile.
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close(wait))
+        # Shielded: a caller cancelled while waiting does not leave the close half done, and a
+        # second caller waits for the same close.
+        await asyncio.shield(self._closing)
+
+    async def _close(self, wait: float) -> None:
+        self._on_completions()  # what completed before the close is delivered as usual
+        # pool.close releases the GIL and waits at most `wait` (more only for an idle mapper,
+        # which stops at once); run it off the loop thread so other tasks keep running.
         await asyncio.to_thread(self._pool.close, wait)
         self._loop.remove_reader(self._fd)
-        self._on_completions()
+        # Completed during the close: their pages are gone, so they fail too.
+        self._on_completions(closed=True)
         for request in list(self._pending):
             self._settle(request, AllocatorClosed("the allocator was closed"), None)
 
@@ -492,11 +498,15 @@ class Allocator:
         else:
             pending.future.set_result(blocks or [])
 
-    def _on_completions(self) -> None:
+    def _on_completions(self, closed: bool = False) -> None:
         for request, status, blocks, message in self._pool.drain():
-            if request not in self._pending:
-                if blocks:  # abandoned (timed out or cancelled): back to the pool
-                    self._pool.free(blocks)
+            pending = request in self._pending
+            if blocks and (closed or not pending):
+                # Nobody will use them: the request was abandoned (timed out or cancelled), or
+                # its pages went with the close.
+                self._pool.free(blocks)
+                status, message = _CLOSED, "the allocator was closed"
+            if not pending:
                 continue
             if status == _OK:
                 self._settle(request, None, blocks)

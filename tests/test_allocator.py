@@ -531,5 +531,27 @@ async def test_free_takes_any_sequence_of_ints_and_rejects_other_ids(backend_nam
             kv.free([float(blocks[0])])
         with pytest.raises(ValueError, match="int64"):
             kv.free([1 << 70])
+        with pytest.raises(TypeError, match="got bool"):
+            kv.free((True,))  # not block 1
         assert kv.stats().used_blocks == 2  # nothing was freed by the failed calls
         kv.free(blocks)
+
+
+async def test_concurrent_closes_share_one_close_and_a_cancelled_one_still_completes(
+    backend_name, small_layout
+):
+    faults = FaultInjector()
+    kv = await kvasync.Allocator.open(small_layout, config(backend_name, faults=faults))
+    faults.delay(0.2)  # the mapper is inside a slow refill when the close comes
+    try:
+        first = asyncio.create_task(kv.close(timeout=2.0))
+        second = asyncio.create_task(kv.close(timeout=2.0))
+        await asyncio.sleep(0)  # one loop step: both tasks run up to their first await
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(second, 5.0)  # the close itself went on and finished
+        with pytest.raises(kvasync.AllocatorClosed):
+            kv.alloc_nowait(1)
+    finally:
+        faults.release()

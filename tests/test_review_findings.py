@@ -154,6 +154,63 @@ def test_a_newcomer_cannot_take_blocks_a_waiter_at_the_memory_limit_counts_on():
         assert pool.close(5.0)
 
 
+# -- BUG 1: the short last page mapped below the limit starves a waiter forever --------------
+
+
+def test_waiter_that_fits_the_limit_is_served_when_the_short_last_page_holds_a_page_of_it():
+    # 20 blocks of 8 a page: pages 0 and 1 hold 8 blocks, page 2 only 4. Limit 2 pages = 16
+    # blocks, so alloc(16) is accepted as fitting. But when page 2 is the mapped one, the pool
+    # maps page 0 (headroom 1), then sits at the limit with 12 free blocks and never unmaps page 2
+    # (plan_unmaps skips while waiters exist) to map page 1 instead: the waiter can never be served.
+    pool = open_pool(3, 8, num_blocks=20, limit_pages=3)
+    try:
+        blocks = alloc_now(pool, 20)
+        low = [b for b in blocks if b < 16]
+        high = [b for b in blocks if b >= 16]
+        pool.free(low)  # pages 0 and 1 empty out and go (no reserve)
+        wait_idle(pool)
+        assert pool.stats()["unmapped_pages"] == 2
+        assert pool.set_limit_pages(2, time.monotonic() + 5.0) == 0
+        request = pool.alloc(16, time.monotonic() + 3.0)
+        assert isinstance(request, int)
+        wait_idle(pool)  # page 0 mapped for it; now at the limit (pages 0 and 2)
+        pool.free(high)  # page 2 is now entirely free: nothing in use at all
+        records = wait_records(pool, 1, 2.0)
+        s = pool.stats()
+        assert [(r[0], r[1]) for r in records] == [(request, 0)], (
+            f"a 16-block alloc under a 16-block limit, with nothing in use, was not served: {s}"
+        )
+    finally:
+        pool.close(5.0)
+
+
+# -- BUG 2: free() after close() corrupts page accounting -------------------------------------
+
+
+def test_free_after_close_leaves_every_page_unmapped():
+    pool = open_pool(4, 8, reserve=(0, 0))
+    blocks = alloc_now(pool, 8)
+    assert pool.close(5.0)
+    s = pool.stats()
+    assert (s["mapped_pages"], s["unmapped_pages"]) == (0, 4), s
+    pool.free(blocks)  # what Allocator.close() itself does for an abandoned request's record
+    s = pool.stats()
+    # close() unmapped the page; freeing its blocks must not make it "mapped" again.
+    assert (s["mapped_pages"], s["reserve_pages"], s["unmapped_pages"]) == (0, 0, 4), s
+    assert (s["used_blocks"], s["free_blocks"]) == (0, 0), s
+
+
+async def test_allocator_free_after_close_reports_no_mapped_memory(small_layout):
+    cfg = kvasync.Config(backend="host", max_blocks=4 * 512, reserve_pages=(0, 0))
+    kv = await kvasync.Allocator.open(small_layout, cfg)
+    blocks = await kv.alloc(10)
+    await kv.close()
+    assert kv.stats().mapped_pages == 0
+    kv.free(blocks)  # an engine that frees its sequences after shutting the allocator down
+    stats = kv.stats()
+    assert (stats.mapped_pages, stats.reserve_pages, stats.mapped_bytes) == (0, 0, 0), stats
+
+
 # -- Python ownership: regression, passes -----------------------------------------------------
 
 
@@ -174,3 +231,20 @@ async def test_close_settles_every_waiter_behind_a_hung_map_and_leaves_nothing_p
         assert kv._pending == {}
     finally:
         faults.release()
+
+
+# -- BUG 3 (minor): close(timeout=0) abandons an idle mapper and leaves memory mapped ---------
+
+
+async def test_close_with_zero_timeout_and_an_idle_mapper_still_unmaps_everything(small_layout):
+    cfg = kvasync.Config(backend="host", max_blocks=4 * 512, reserve_pages=(0, 0))
+    kv = await kvasync.Allocator.open(small_layout, cfg)
+    kv.free(await kv.alloc(10))
+    await wait_until(lambda: kv.stats().mapped_pages == 0)
+    blocks = await kv.alloc(10)  # one page mapped and in use; the mapper then goes idle
+    await wait_until(lambda: kv.stats().mapper_op is None and kv.stats().queued_jobs == 0)
+    await kv.close(timeout=0)
+    # No driver call was in progress, so nothing justified abandoning the thread: the page
+    # should be given back as with any other timeout.
+    assert kv.stats().mapped_pages == 0, kv.stats()
+    del blocks
