@@ -100,6 +100,7 @@ py::dict stats_dict(const PoolStats& s) {
   d["unmapped_pages"] = s.unmapped_pages;
   d["waiters"] = s.waiters;
   d["queued_jobs"] = s.queued_jobs;
+  d["mapper_batches"] = s.mapper_batches;
   d["maps_done"] = s.maps_done;
   d["unmaps_done"] = s.unmaps_done;
   d["map_errors"] = s.map_errors;

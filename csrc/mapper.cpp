@@ -81,14 +81,20 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
 
 void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
   while (!self->stopping_.load()) {
-    std::optional<Job> job = pool->next_job();
-    if (!job) {
+    const std::vector<Job> batch = pool->next_batch();
+    if (batch.empty()) {
       self->wake_.wait_for(kIdlePoll);  // bounded idle wait
       continue;
     }
     std::vector<int64_t> still_mapped;
-    const BackendResult result = run_job(pool->mutable_backend(), *job, still_mapped);
-    pool->finish_job(*job, result, still_mapped);
+    if (batch.size() == 1) {
+      const BackendResult result = run_job(pool->mutable_backend(), batch.front(), still_mapped);
+      pool->finish_job(batch.front(), result, still_mapped);
+      continue;
+    }
+    // Several maps as one: all or nothing together, then each job is settled on its own.
+    const BackendResult result = run_job(pool->mutable_backend(), merge_jobs(batch), still_mapped);
+    for (const Job& job : batch) pool->finish_job(job, result, {});
   }
   self->exited_.notify();
   // `pool` is released here; when the thread was abandoned it may be the last reference.

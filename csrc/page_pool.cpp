@@ -511,32 +511,70 @@ void PagePool::revert_job(const Job& job) {
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
 }
 
-std::optional<Job> PagePool::next_job() {
+std::vector<Job> PagePool::next_batch() {
   std::lock_guard<std::mutex> lock(mutex_);
   current_job_.reset();
   const auto now = Clock::now();
-  while (!jobs_.empty()) {
-    auto first = jobs_.begin();
-    Job job = std::move(first->second.front());
-    first->second.erase(first->second.begin());
-    if (first->second.empty()) jobs_.erase(first);
-    if (job.deadline <= now) {
-      // Note [Mapper deadlines]: too late to help anyone; never reaches the backend.
-      ++dropped_jobs_;
-      revert_job(job);
-      if (job.request_id != 0 && job.kind == JobKind::kUnmap) {
-        completions_.push({job.request_id, CompletionStatus::kMapError, {},
-                           "unmap job dropped: its deadline passed before the mapper reached it"});
-      }
-      serve_waiters();
-      plan_maps();
-      continue;
-    }
-    current_job_ = job;
-    current_job_start_ = now;
-    return job;
+  // Note [Mapper deadlines]: jobs already too late to help anyone never reach the backend.
+  // Deadline order puts them all at the front.
+  std::vector<Job> expired;
+  while (!jobs_.empty() && jobs_.begin()->first <= now) {
+    for (Job& job : jobs_.begin()->second) expired.push_back(std::move(job));
+    jobs_.erase(jobs_.begin());
   }
-  return std::nullopt;
+  for (const Job& job : expired) {
+    ++dropped_jobs_;
+    revert_job(job);
+    if (job.request_id != 0 && job.kind == JobKind::kUnmap) {
+      completions_.push({job.request_id, CompletionStatus::kMapError, {},
+                         "unmap job dropped: its deadline passed before the mapper reached it"});
+    }
+  }
+  if (!expired.empty()) {
+    serve_waiters();
+    plan_maps();  // new jobs, if any, have a deadline still ahead
+  }
+  std::vector<Job> batch;
+  if (jobs_.empty()) return batch;
+  // The earliest job, and with a map for requests every other queued one: the pages of many
+  // requests then reach the backend together and consecutive ones become one run (one access
+  // call on cuda). Refills are not merged with them: a refill that fails (a full device) must
+  // not fail a request with it (the reserve is never a dependency).
+  const JobKind kind = jobs_.begin()->second.front().kind;
+  const bool maps = kind == JobKind::kMapForRequest;
+  int64_t num_pages = 0;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    std::vector<Job>& queued = it->second;
+    for (size_t k = 0; k < queued.size();) {
+      const bool fits = batch.empty() ||
+                        (maps && queued[k].kind == kind &&
+                         num_pages + static_cast<int64_t>(queued[k].pages.size()) <= kMaxBatchPages);
+      if (!fits) {
+        ++k;
+        continue;
+      }
+      num_pages += static_cast<int64_t>(queued[k].pages.size());
+      batch.push_back(std::move(queued[k]));
+      queued.erase(queued.begin() + static_cast<std::ptrdiff_t>(k));
+      if (!maps) break;
+    }
+    it = queued.empty() ? jobs_.erase(it) : std::next(it);
+    if (!maps) break;
+  }
+  ++batches_;
+  current_job_ = batch.size() == 1 ? batch.front() : merge_jobs(batch);
+  current_job_start_ = now;
+  return batch;
+}
+
+Job merge_jobs(const std::vector<Job>& jobs) {
+  Job merged{jobs.front().kind, 0, {}, jobs.front().deadline, {}};
+  for (const Job& job : jobs) {
+    merged.pages.insert(merged.pages.end(), job.pages.begin(), job.pages.end());
+    merged.deadline = std::min(merged.deadline, job.deadline);
+  }
+  std::sort(merged.pages.begin(), merged.pages.end());
+  return merged;
 }
 
 void PagePool::finish_job(const Job& job, const BackendResult& result,
@@ -610,6 +648,7 @@ PoolStats PagePool::stats() const {
   s.queued_jobs = 0;
   for (const auto& entry : jobs_) s.queued_jobs += static_cast<int64_t>(entry.second.size());
   s.maps_done = maps_done_;
+  s.mapper_batches = batches_;
   s.unmaps_done = unmaps_done_;
   s.map_errors = map_errors_;
   s.dropped_jobs = dropped_jobs_;

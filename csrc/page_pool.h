@@ -83,9 +83,13 @@ struct Job {
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
 };
 
+// One job holding the pages of `jobs` (map jobs, run as one batch).
+Job merge_jobs(const std::vector<Job>& jobs);
+
 struct PoolStats {
   int64_t num_blocks, used_blocks, free_blocks, mapped_pages, reserve_pages, mapping_pages,
-      unmapping_pages, unmapped_pages, waiters, queued_jobs, maps_done, unmaps_done, map_errors,
+      unmapping_pages, unmapped_pages, waiters, queued_jobs, mapper_batches, maps_done, unmaps_done,
+      map_errors,
       dropped_jobs, timeouts, limit_pages;
   std::string mapper_op;  // empty when idle
   double mapper_op_age_s;
@@ -124,8 +128,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   const Backend& backend() const { return *backend_; }
   const PoolConfig& config() const { return config_; }
 
-  // The mapper thread's side (mapper.cpp).
-  std::optional<Job> next_job();
+  // The mapper thread's side (mapper.cpp). The next jobs to run as one backend batch (the
+  // earliest job, plus every other queued map when it maps); empty when there is none.
+  static constexpr int64_t kMaxBatchPages = 512;
+  std::vector<Job> next_batch();
   // `still_mapped`: pages of an unmap job whose runs failed (ascending); empty otherwise.
   void finish_job(const Job& job, const BackendResult& result,
                   const std::vector<int64_t>& still_mapped);
@@ -190,6 +196,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t incoming_for_waiters_ = 0;  // blocks of kMapping pages of kMapForRequest jobs
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
   int64_t maps_done_ = 0, unmaps_done_ = 0, map_errors_ = 0, dropped_jobs_ = 0, timeouts_ = 0;
+  int64_t batches_ = 0;  // backend batches the mapper ran
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;

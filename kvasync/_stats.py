@@ -14,8 +14,10 @@ class AllocatorStats:
 
     Pages are page ids: one page id is ``page_size`` bytes in every virtual range.
     ``inflight_pages`` are the pages the mapper owns right now (mapping + unmapping); they are
-    never counted as free or as missing. ``mapper_op`` names the backend call the mapper is inside
-    (None when idle) and ``mapper_op_age`` how long it has been there: a stuck driver shows here.
+    never counted as free or as missing. ``mapper_batches`` counts the backend batches the mapper
+    ran: the maps queued by many requests at once go to the backend together. ``mapper_op`` names
+    the backend call the mapper is inside (None when idle) and ``mapper_op_age`` how long it has
+    been there: a stuck driver shows here.
     """
 
     num_blocks: int
@@ -28,6 +30,7 @@ class AllocatorStats:
     unmapping_pages: int
     waiters: int
     queued_jobs: int
+    mapper_batches: int
     maps_done: int
     unmaps_done: int
     map_errors: int
@@ -58,6 +61,7 @@ class AllocatorStats:
             unmapping_pages=raw["unmapping_pages"],
             waiters=raw["waiters"],
             queued_jobs=raw["queued_jobs"],
+            mapper_batches=raw["mapper_batches"],
             maps_done=raw["maps_done"],
             unmaps_done=raw["unmaps_done"],
             map_errors=raw["map_errors"],

@@ -555,3 +555,25 @@ async def test_concurrent_closes_share_one_close_and_a_cancelled_one_still_compl
             kv.alloc_nowait(1)
     finally:
         faults.release()
+
+
+async def test_maps_queued_by_many_requests_reach_the_backend_as_one_batch(
+    backend_name, small_layout
+):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        faults.hang()
+        try:
+            first = asyncio.create_task(kv.alloc(BLOCKS_PER_PAGE, timeout=5.0))
+            await wait_until(lambda: faults.hung_maps == 1)
+            rest = [asyncio.create_task(kv.alloc(BLOCKS_PER_PAGE, timeout=5.0)) for _ in range(10)]
+            await wait_until(lambda: kv.stats().waiters == 11 and kv.stats().queued_jobs == 10)
+        finally:
+            faults.release()
+        results = await asyncio.wait_for(asyncio.gather(first, *rest), 5.0)
+        stats = kv.stats()
+        assert stats.maps_done == 11
+        assert stats.mapper_batches == 2  # the hung map, then the ten queued behind it at once
+        for blocks in results:
+            kv.free(blocks)
