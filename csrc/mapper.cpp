@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
+#include <string>
 
 #include "page_pool.h"
 
@@ -87,14 +89,18 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
       continue;
     }
     std::vector<int64_t> still_mapped;
-    if (batch.size() == 1) {
-      const BackendResult result = run_job(pool->mutable_backend(), batch.front(), still_mapped);
-      pool->finish_job(batch.front(), result, still_mapped);
-      continue;
+    // Several maps run as one (all or nothing together); each job is then settled on its own.
+    const Job& work = batch.size() == 1 ? batch.front() : merge_jobs(batch);
+    BackendResult result;
+    try {
+      result = run_job(pool->mutable_backend(), work, still_mapped);
+    } catch (const std::exception& e) {
+      // Failures are values (DESIGN.md): an exception must not end the process from this thread.
+      result = BackendResult::failure(std::string("EXCEPTION: ") + e.what());
+      still_mapped = work.kind == JobKind::kUnmap ? work.pages : std::vector<int64_t>{};
     }
-    // Several maps as one: all or nothing together, then each job is settled on its own.
-    const BackendResult result = run_job(pool->mutable_backend(), merge_jobs(batch), still_mapped);
-    for (const Job& job : batch) pool->finish_job(job, result, {});
+    for (const Job& job : batch) pool->finish_job(job, result, batch.size() == 1 ? still_mapped
+                                                                              : std::vector<int64_t>{});
   }
   self->exited_.notify();
   // `pool` is released here; when the thread was abandoned it may be the last reference.
