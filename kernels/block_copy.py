@@ -75,6 +75,15 @@ _UNIT_TL = {4: tl.int32, 2: tl.int16, 1: tl.int8}
 
 
 @triton.jit
+def _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN):
+    """Address of block `block_id` of buffer `buf`: its base from the table, 16-byte aligned
+    when the launcher says so (ALIGN), plus the block's offset in VEC-unit vectors."""
+    base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
+    base = tl.multiple_of(base, ALIGN)
+    return base + block_id * block_stride_vecs * VEC
+
+
+@triton.jit
 def _gather_kernel(
     table_ptr,  # *int64 [num_buffers]: base address of every buffer, layer-major
     ids_ptr,  # *int64 [n]: block ids to read
@@ -92,10 +101,8 @@ def _gather_kernel(
     buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
     i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
-    base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
-    base = tl.multiple_of(base, ALIGN)
     units = vecs_per_block * VEC
-    src = base + block_id * block_stride_vecs * VEC
+    src = _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN)
     dst = out_ptr + (i * num_buffers + buf) * units
     for chunk in range(0, NUM_CHUNKS):
         offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -124,10 +131,8 @@ def _scatter_kernel(
     buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
     i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
-    base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
-    base = tl.multiple_of(base, ALIGN)
     units = vecs_per_block * VEC
-    dst = base + block_id * block_stride_vecs * VEC
+    dst = _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN)
     src = src_ptr + (i * num_buffers + buf) * units
     for chunk in range(0, NUM_CHUNKS):
         offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -154,10 +159,8 @@ def _zero_kernel(
     buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
     i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
-    base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
-    base = tl.multiple_of(base, ALIGN)
     units = vecs_per_block * VEC
-    dst = base + block_id * block_stride_vecs * VEC
+    dst = _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN)
     zeros = tl.zeros([BLOCK], dtype=UNIT)
     for chunk in range(0, NUM_CHUNKS):
         offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -185,11 +188,9 @@ def _copy_kernel(
     i = tl.program_id(1).to(tl.int64)
     src_id = tl.load(src_ids_ptr + i)
     dst_id = tl.load(dst_ids_ptr + i)
-    base = tl.load(table_ptr + buf).to(tl.pointer_type(UNIT))
-    base = tl.multiple_of(base, ALIGN)
     units = vecs_per_block * VEC
-    src = base + src_id * block_stride_vecs * VEC
-    dst = base + dst_id * block_stride_vecs * VEC
+    src = _block_start(table_ptr, buf, src_id, block_stride_vecs, UNIT, VEC, ALIGN)
+    dst = _block_start(table_ptr, buf, dst_id, block_stride_vecs, UNIT, VEC, ALIGN)
     for chunk in range(0, NUM_CHUNKS):
         offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         if EVEN:
