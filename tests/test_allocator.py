@@ -577,3 +577,30 @@ async def test_maps_queued_by_many_requests_reach_the_backend_as_one_batch(
         assert stats.mapper_batches == 2  # the hung map, then the ten queued behind it at once
         for blocks in results:
             kv.free(blocks)
+
+
+async def test_close_with_a_stuck_mapper_does_not_block_the_event_loop(backend_name, small_layout):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(0, 0), faults=faults)
+    kv = await kvasync.Allocator.open(small_layout, cfg)
+    faults.hang()
+    waiter = asyncio.create_task(kv.alloc(1, timeout=30.0))
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await wait_until(lambda: faults.hung_maps == 1)  # the alloc's map is stuck
+        before = ticks
+        await kv.close(timeout=0.5)
+        assert ticks - before >= 10  # other tasks ran all through the half-second close
+        with pytest.raises(kvasync.AllocatorClosed):
+            await waiter
+    finally:
+        ticker.cancel()
+        faults.release()

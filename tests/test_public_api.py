@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import pathlib
 
 import kvasync
 
@@ -26,3 +27,16 @@ def test_errors_subclass_what_callers_expect():
         kvasync.AllocatorClosed,
     ):
         assert issubclass(error, kvasync.KVAsyncError)
+
+
+def test_kernels_ship_inside_the_package():
+    import kvasync.kernels
+
+    # Installed as kvasync/kernels (CMake puts the top-level kernels/ folder there), never as a
+    # bare top-level package.
+    assert kvasync.kernels.__name__ == "kvasync.kernels"
+    assert pathlib.Path(kvasync.kernels.__file__).parts[-3:] == (
+        "kvasync",
+        "kernels",
+        "__init__.py",
+    )
