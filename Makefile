@@ -13,7 +13,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)" "triton>=3.2" numpy "pybind11>=2.13" "scikit-build-core>=0.10" \
-		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11"
+		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11" "uvloop>=0.19"
 	touch $@
 
 install: $(VENV)/.deps
