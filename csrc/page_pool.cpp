@@ -1,7 +1,6 @@
 #include "page_pool.h"
 
 #include <algorithm>
-#include <cmath>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -20,6 +19,11 @@ Clock::time_point to_time_point(double seconds) {
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+int64_t page_count(const PoolConfig& config) {
+  const int64_t bpp = config.blocks_per_page;
+  return bpp > 0 ? (config.num_blocks + bpp - 1) / bpp : 0;
 }
 
 const char* job_name(JobKind kind) {
@@ -42,14 +46,6 @@ std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, Poo
   }
   return pool;
 }
-
-namespace {
-int64_t page_count(const PoolConfig& config) {
-  return config.blocks_per_page > 0 ? (config.num_blocks + config.blocks_per_page - 1) /
-                                          config.blocks_per_page
-                                    : 0;
-}
-}  // namespace
 
 PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
     : backend_(std::move(backend)),
