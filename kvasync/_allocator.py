@@ -482,7 +482,12 @@ class Allocator:
             return
         waiting_for = self._pool.cancel(request, True)
         waited = self._loop.time() - pending.started
-        detail = f"waiting for {waiting_for}" if waiting_for else "its completion was in flight"
+        if waiting_for:
+            detail = f"waiting for {waiting_for}"
+        else:  # not a waiter for blocks (a trim or resize), or its completion is on its way
+            stats = self._pool.stats()
+            op, age = stats["mapper_op"], stats["mapper_op_age_s"]
+            detail = f"the mapper busy on {op} for {age:.3f} s" if op else "the mapper idle"
         self._settle(
             request, AllocTimeout(f"{pending.what} timed out after {waited:.3f} s, {detail}"), None
         )

@@ -604,3 +604,18 @@ async def test_close_with_a_stuck_mapper_does_not_block_the_event_loop(backend_n
     finally:
         ticker.cancel()
         faults.release()
+
+
+async def test_a_trim_that_times_out_says_what_the_mapper_is_doing(backend_name, small_layout):
+    faults = FaultInjector()
+    cfg = config(backend_name, reserve_pages=(2, 4), faults=faults)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        await wait_until(lambda: kv.stats().reserve_pages == 4)
+        faults.delay(0.5)
+        try:
+            with pytest.raises(kvasync.AllocTimeout, match=r"trim timed out .* unmap of 4 page"):
+                await kv.trim(timeout=0.1)
+        finally:
+            faults.release()
+        await wait_until(lambda: kv.stats().inflight_pages == 0)
+        assert kv.stats().mapped_pages == 0  # the unmap itself went through, late
