@@ -40,11 +40,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def wait_idle(backend: Any) -> None:
-    deadline = time.monotonic() + 10.0
-    while not backend.handle_thread_idle():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the handle thread did not settle within 10 s")
-        time.sleep(0.001)
+    # No mapper drives this bare backend: run its upkeep (spares made ahead, surplus released).
+    if not backend.settle(10.0):
+        raise TimeoutError("the handle pool did not settle within 10 s")
 
 
 def per_page_costs(batch: int, repeats: int) -> dict[str, float]:

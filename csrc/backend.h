@@ -63,6 +63,12 @@ class Backend {
   // Gives back physical memory the backend keeps for quick re-mapping (the cuda handle pool).
   // Called by the mapper after a trim's unmaps.
   virtual void release_cached() {}
+
+  // One step of background upkeep (cuda: create a handle ahead of need, or release a surplus
+  // one), done by the mapper thread only while no job waits. Returns the seconds until it wants
+  // to be called again: 0 for at once (it did something), a large value for "nothing to do".
+  virtual double upkeep() { return kNoUpkeep; }
+  static constexpr double kNoUpkeep = 1e9;
 };
 
 }  // namespace kvasync

@@ -13,11 +13,9 @@ namespace {
 
 using namespace kvasync::cuda;
 
-constexpr auto kHandleThreadIdlePoll = std::chrono::milliseconds(100);  // bounded idle wait
 constexpr auto kFencePollMax = std::chrono::microseconds(500);
-// The handle thread waits until maps and unmaps have been quiet this long: a map followed soon by
-// an unmap gets its handles back from the unmap (no create, no release), and the thread's driver
-// calls do not contend with the mapper's (the driver serialises them).
+// Upkeep waits until maps and unmaps have been quiet this long: a map followed soon by an unmap
+// gets its handles back from the unmap (no create, no release).
 constexpr auto kHandleGrace = std::chrono::milliseconds(5);
 
 const CudaDriver& checked_driver() {
@@ -159,22 +157,12 @@ CudaBackend::CudaBackend(int device, int num_ranges, int64_t num_pages, int64_t 
     std::lock_guard<std::mutex> lock(registry_mutex);
     registry()[range_base(0)] = device;
   }
-  if (spare_capacity_ > 0) handle_thread_ = std::thread(&CudaBackend::handle_thread_main, this);
 }
 
 CudaBackend::~CudaBackend() {
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     registry().erase(range_base(0));
-  }
-  if (handle_thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(spare_mutex_);
-      stopping_ = true;
-    }
-    handle_wake_.notify();
-    // NOTE: bounded by one driver call (create or release) in flight in that thread.
-    handle_thread_.join();
   }
   ScopedContext current(context_);
   for (int64_t page = 0; page < num_pages_; ++page) {
@@ -274,7 +262,6 @@ BackendResult CudaBackend::take_pages(int64_t count,
     // Create ahead of the next need what this map consumed (Note [CUDA backend]).
     ahead_ = std::min(ahead_ + count, spare_capacity_ - static_cast<int64_t>(spare_.size()));
   }
-  if (spare_capacity_ > 0) handle_wake_.notify();
   const int64_t cold = count - from_pool;
   if (cold == 0) return BackendResult::success();
   BackendResult room = headroom_check(cold);
@@ -300,14 +287,14 @@ void CudaBackend::give_back(std::vector<std::unique_ptr<PhysicalPage>> pages) {
       if (static_cast<int64_t>(spare_.size()) < spare_capacity_) {
         spare_.push_back(std::move(page));
       } else {
-        to_release_.push_back(std::move(page));  // released off the mapper thread
+        to_release_.push_back(std::move(page));  // released by upkeep, off the job's path
         surplus = true;
       }
     }
     ahead_ = std::min(ahead_, spare_capacity_ - static_cast<int64_t>(spare_.size()));
     last_activity_ = std::chrono::steady_clock::now();
   }
-  if (surplus && spare_capacity_ == 0) {  // no handle thread: release here, without the lock
+  if (surplus && spare_capacity_ == 0) {  // no pool at all: release here, without the lock
     std::vector<std::unique_ptr<PhysicalPage>> surplus_pages;
     {
       std::lock_guard<std::mutex> lock(spare_mutex_);
@@ -315,9 +302,7 @@ void CudaBackend::give_back(std::vector<std::unique_ptr<PhysicalPage>> pages) {
       released_ += static_cast<int64_t>(surplus_pages.size());
     }
     surplus_pages.clear();
-  } else if (surplus) {
-    handle_wake_.notify();
-  }
+  }  // else: upkeep releases the surplus once maps and unmaps are quiet
 }
 
 BackendResult CudaBackend::map_page(int range, int64_t page, const PhysicalPage& memory) {
@@ -480,57 +465,54 @@ uintptr_t CudaBackend::record_fence(int device, uintptr_t stream, uintptr_t afte
 }
 
 // ---------------------------------------------------------------------------------------------
-// The handle thread: creates spares ahead of need and releases the surplus, off the mapper thread.
+// Upkeep, on the mapper thread between jobs: spares created ahead of need, the surplus released.
 
-void CudaBackend::handle_thread_main() {
-  context_.make_current();
+double CudaBackend::upkeep() {
   std::unique_lock<std::mutex> lock(spare_mutex_);
-  while (!stopping_) {
-    const bool work = !to_release_.empty() ||
-                      (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
-    const auto quiet = std::chrono::steady_clock::now() - last_activity_;
-    if (work && quiet < kHandleGrace) {
-      lock.unlock();
-      handle_wake_.wait_for(kHandleGrace - quiet);  // bounded
-      lock.lock();
-      continue;
-    }
-    if (!to_release_.empty()) {
-      std::vector<std::unique_ptr<PhysicalPage>> surplus;
-      surplus.swap(to_release_);
-      handle_thread_busy_ = true;
-      released_ += static_cast<int64_t>(surplus.size());
-      lock.unlock();
-      surplus.clear();  // cuMemRelease, without the lock
-      lock.lock();
-      handle_thread_busy_ = false;
-      continue;
-    }
-    if (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_) {
-      --ahead_;
-      handle_thread_busy_ = true;
-      lock.unlock();
-      std::string error;
-      std::unique_ptr<PhysicalPage> page;
-      if (headroom_check(1).ok) {
-        const size_t bytes = static_cast<size_t>(page_size_) * (offset_mapping_ ? num_ranges_ : 1);
-        page = PhysicalPage::create(prop_, bytes, offset_mapping_ ? 1 : num_ranges_, error);
-      }
-      lock.lock();
-      handle_thread_busy_ = false;
-      if (!page) {
-        ahead_ = 0;  // no room or the driver refused: stop until the next map asks again
-        continue;
-      }
-      ++created_;
-      if (static_cast<int64_t>(spare_.size()) < spare_capacity_) spare_.push_back(std::move(page));
-      else to_release_.push_back(std::move(page));
-      continue;
-    }
-    lock.unlock();
-    handle_wake_.wait_for(kHandleThreadIdlePoll);  // bounded: re-checks stopping_
-    lock.lock();
+  const bool work = !to_release_.empty() ||
+                    (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
+  if (!work) return kNoUpkeep;
+  const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+  if (quiet < kHandleGrace) {
+    return std::chrono::duration<double>(kHandleGrace - quiet).count();
   }
+  if (!to_release_.empty()) {
+    std::unique_ptr<PhysicalPage> surplus = std::move(to_release_.back());
+    to_release_.pop_back();
+    ++released_;
+    lock.unlock();
+    ScopedContext current(context_);
+    surplus.reset();  // cuMemRelease, without the lock
+    return 0;
+  }
+  --ahead_;
+  lock.unlock();
+  ScopedContext current(context_);
+  std::string error;
+  std::unique_ptr<PhysicalPage> page;
+  if (headroom_check(1).ok) {
+    const size_t bytes = static_cast<size_t>(page_size_) * (offset_mapping_ ? num_ranges_ : 1);
+    page = PhysicalPage::create(prop_, bytes, offset_mapping_ ? 1 : num_ranges_, error);
+  }
+  lock.lock();
+  if (!page) {
+    ahead_ = 0;  // no room or the driver refused: stop until the next map asks again
+    return kNoUpkeep;
+  }
+  ++created_;
+  if (static_cast<int64_t>(spare_.size()) < spare_capacity_) spare_.push_back(std::move(page));
+  else to_release_.push_back(std::move(page));
+  return 0;
+}
+
+bool CudaBackend::settle(double timeout_s) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < give_up) {
+    const double again = upkeep();
+    if (again >= kNoUpkeep) return true;
+    if (again > 0) std::this_thread::sleep_for(std::chrono::duration<double>(again));
+  }
+  return false;
 }
 
 HandlePoolStats CudaBackend::handle_stats() const {
@@ -551,10 +533,5 @@ void CudaBackend::release_spare() {
   spares.clear();  // cuMemRelease on the caller's thread, without the lock
 }
 
-bool CudaBackend::handle_thread_idle() const {
-  std::lock_guard<std::mutex> lock(spare_mutex_);
-  return !handle_thread_busy_ && to_release_.empty() &&
-         (ahead_ == 0 || static_cast<int64_t>(spare_.size()) >= spare_capacity_);
-}
 
 }  // namespace kvasync

@@ -8,7 +8,7 @@
 // Approach:
 //  - The driver is dlopen'ed (Note [Loading the driver] in cuda_driver.h). Everything runs in the
 //    primary context of the configured device (the one PyTorch uses), retained once here and made
-//    current on whichever thread calls in (the mapper thread, the handle thread, the destructor).
+//    current on whichever thread calls in (the mapper thread, the destructor, a fence record).
 //  - Page memory: one PhysicalPage per mapped page id. With R ranges it is one handle of
 //    R * page_size bytes mapped at offset r * page_size into range r (cuMemMap's offset), so the
 //    handle pool is keyed by page id, not by range. Drivers that refuse a non-zero offset (cuda.h
@@ -18,12 +18,13 @@
 //    the whole run. unmap() unmaps a run with one cuMemUnmap per range when the driver accepts a
 //    range spanning several mappings (probed too), else page by page.
 //  - Handle pool: unmapped PhysicalPages are kept as spares, up to `spare_pages` (the reserve's
-//    high watermark), instead of being released; a map takes spares first. A background handle
-//    thread creates replacements ahead of need for the spares maps consume, and releases the
-//    surplus, so the mapper thread usually pays only cuMemMap + cuMemSetAccess (+ cuMemUnmap).
-//    It starts only once maps and unmaps have been quiet for a few ms: an unmap that follows a
-//    map closely refills the pool itself, and the two threads' driver calls do not contend.
-//  - Memory headroom: every cuMemCreate (mapper or handle thread) first checks that the device
+//    high watermark), instead of being released; a map takes spares first. upkeep(), run by the
+//    mapper thread between jobs, creates replacements ahead of need for the spares maps consume
+//    and releases the surplus, one driver call at a time, so a map usually pays only cuMemMap +
+//    cuMemSetAccess (+ cuMemUnmap). It waits until maps and unmaps have been quiet for a few ms:
+//    an unmap that follows a map closely refills the pool itself. No thread of its own: nothing
+//    to join at destruction, and no second thread contending for the driver.
+//  - Memory headroom: every cuMemCreate (a map or upkeep) first checks that the device
 //    stays at or below gpu_utilization * total, from cuMemGetInfo in signed int64 arithmetic: a
 //    nearly full device gives a negative headroom, i.e. none. A map that would cross it fails with
 //    "CUDA_ERROR_OUT_OF_MEMORY: ... would exceed gpu_utilization ...". The backend cannot tell a
@@ -33,8 +34,8 @@
 // Invariants:
 //  - map() is all or nothing: on any failure, every cuMemMap of the call is undone and its
 //    PhysicalPages go back to the pool. No driver error aborts; each is "<CUDA_ERROR_NAME>: ...".
-//  - mapped_ is touched only by the mapper thread (and the destructor); the spare pool is shared
-//    with the handle thread under spare_mutex_, which is never held across a driver call.
+//  - mapped_ is touched only by the mapper thread (and the destructor); the spare pool is also
+//    read by Python (stats, release_spare) under spare_mutex_, never held across a driver call.
 //  - Spare handles are physical memory in use on the device: at most `spare_pages` page ids of it.
 //    release_spare() gives them back (and stops creating ahead until the next map).
 // lock order: PagePool::mutex_ is never held here; spare_mutex_ is a leaf.
@@ -51,7 +52,6 @@
 
 #include "backend.h"
 #include "cuda_driver.h"
-#include "wakeup.h"
 
 namespace kvasync {
 
@@ -168,11 +168,13 @@ class CudaBackend final : public Backend {
   int device() const { return context_.device(); }
   int64_t granularity() const { return granularity_; }
   HandlePoolStats handle_stats() const;
-  // Releases every spare handle (in the handle thread) and stops creating ahead until next map.
+  // Releases every spare handle and stops creating ahead until the next map.
   void release_spare();
   void release_cached() override { release_spare(); }
-  // True when the handle thread has nothing left to create or release.
-  bool handle_thread_idle() const;
+  double upkeep() override;
+  // Runs upkeep until nothing is left to create or release (for a backend used without a
+  // pool, in tests and benchmarks). Returns false if `timeout_s` passed first.
+  bool settle(double timeout_s);
 
   // The driver's minimum allocation granularity of `device`. Throws BackendError.
   static int64_t device_granularity(int device);
@@ -193,7 +195,6 @@ class CudaBackend final : public Backend {
   void give_back(std::vector<std::unique_ptr<PhysicalPage>> pages);
   BackendResult map_page(int range, int64_t page, const PhysicalPage& memory);
   BackendResult unmap_run(int range, int64_t first, int64_t count);
-  void handle_thread_main();
 
   const cuda::CudaDriver& driver_;
   PrimaryContext context_;
@@ -209,18 +210,14 @@ class CudaBackend final : public Backend {
   std::vector<std::unique_ptr<AddressReservation>> ranges_;
   std::vector<std::unique_ptr<PhysicalPage>> mapped_;  // by page id; mapper thread only
 
-  // Handle pool, shared with the handle thread.
+  // Handle pool (Note above).
   const int64_t spare_capacity_;
   mutable std::mutex spare_mutex_;
-  Wakeup handle_wake_;  // no condition variable: a timed eventfd wait
   std::vector<std::unique_ptr<PhysicalPage>> spare_;
   std::vector<std::unique_ptr<PhysicalPage>> to_release_;
-  int64_t ahead_ = 0;  // spares the handle thread should create
-  bool stopping_ = false;
-  bool handle_thread_busy_ = false;
+  int64_t ahead_ = 0;  // spares upkeep should create
   std::chrono::steady_clock::time_point last_activity_{};  // last map or unmap (kHandleGrace)
   int64_t created_ = 0, released_ = 0, taken_from_pool_ = 0, created_on_map_ = 0;
-  std::thread handle_thread_;
 };
 
 }  // namespace kvasync

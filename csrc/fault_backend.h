@@ -51,6 +51,7 @@ class FaultBackend final : public Backend {
   }
   void release_fence(uintptr_t fence) override { inner_->release_fence(fence); }
   void release_cached() override { inner_->release_cached(); }
+  double upkeep() override { return inner_->upkeep(); }
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;

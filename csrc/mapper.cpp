@@ -85,7 +85,17 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
   while (!self->stopping_.load()) {
     const std::vector<Job> batch = pool->next_batch();
     if (batch.empty()) {
-      self->wake_.wait_for(kIdlePoll);  // bounded idle wait
+      // Idle: the backend's upkeep (one driver call at a time, so a job that arrives waits for
+      // at most one), then a bounded wait for work.
+      double again = Backend::kNoUpkeep;
+      try {
+        again = pool->mutable_backend().upkeep();
+      } catch (const std::exception&) {
+        // Upkeep is an optimisation: a failure leaves the next map to do the work itself.
+      }
+      if (again <= 0) continue;
+      self->wake_.wait_for(std::min<std::chrono::duration<double>>(
+          kIdlePoll, std::chrono::duration<double>(again)));
       continue;
     }
     std::vector<int64_t> still_mapped;

@@ -3,7 +3,8 @@
 // The thread is pure C++: it never calls Python, never takes the GIL, never owns a Python object.
 // It idles in poll() on an eventfd with a timeout (no condition variable), takes the earliest
 // deadline job from the pool, runs it against the backend in runs of consecutive pages (one call
-// per run, so the driver can batch), and hands the result back to the pool.
+// per run, so the driver can batch), and hands the result back to the pool. Between jobs it does
+// the backend's upkeep (Backend::upkeep), so it is the only thread that calls the driver.
 // Stopping is bounded too: stop_and_join() waits for the thread's exit up to a deadline and
 // otherwise abandons it (detaches): a thread stuck in a driver call must not hang shutdown.
 #pragma once

@@ -179,7 +179,7 @@ async def test_physical_memory_returns_after_trim(contiguous):
         await kv.trim(timeout=10.0)
         assert kv.stats().mapped_pages == 0
         # At most `reserve_pages[1]` page ids of handles stay pooled; the rest is released (by
-        # the handle thread, so wait for it).
+        # the mapper's upkeep between jobs, so wait for it).
         spare = 2 * page_bytes
         await wait_until(lambda: _cuda.mem_get_info(0)[0] >= free_before - spare - 64 * MIB, 10.0)
         kv._backend.release_spare()  # type: ignore[attr-defined]
@@ -192,14 +192,14 @@ async def test_physical_memory_returns_after_trim(contiguous):
 async def test_maps_take_pooled_handles_and_new_ones_are_made_ahead():
     backend = _core.CudaBackend(0, 8, 16, PAGE, 4, 0.95)
     _core.backend_time_map(backend, 0, 4)  # cold: creates 4 page ids
-    await wait_until(backend.handle_thread_idle, 5.0)
+    assert backend.settle(5.0)  # upkeep (the mapper's, between jobs; here, run directly)
     stats = backend.handle_stats()
     assert stats["created_on_map"] == 4
     assert stats["spare_pages"] == 4  # made ahead, in the background
     _core.backend_time_map(backend, 4, 4)
     assert backend.handle_stats()["taken_from_pool"] == 4
     _core.backend_time_unmap(backend, 0, 8)
-    await wait_until(backend.handle_thread_idle, 5.0)
+    assert backend.settle(5.0)  # upkeep (the mapper's, between jobs; here, run directly)
     stats = backend.handle_stats()
     assert stats["spare_pages"] == 4  # capped at the high watermark, the rest released
     assert stats["created"] == stats["released"] + 4
