@@ -63,7 +63,9 @@ class Allocator:
     """An elastic paged KV cache over one virtual range per buffer (or one for all).
 
     Create it with ``open_allocator`` (an async context manager) or ``await Allocator.open``,
-    inside a running event loop. All methods are called from that loop's thread.
+    inside a running event loop. ``alloc``, ``trim``, ``resize`` and ``close`` are called from
+    that loop; ``free`` and ``alloc_nowait`` never wait and may be called from any thread (the
+    C++ pool is locked; a waiter they serve is completed through the loop's eventfd).
     """
 
     def __init__(

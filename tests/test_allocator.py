@@ -619,3 +619,25 @@ async def test_a_trim_that_times_out_says_what_the_mapper_is_doing(backend_name,
             faults.release()
         await wait_until(lambda: kv.stats().inflight_pages == 0)
         assert kv.stats().mapped_pages == 0  # the unmap itself went through, late
+
+
+async def test_free_and_alloc_nowait_work_from_another_thread(backend_name, small_layout):
+    # A synchronous scheduler thread may free blocks and take mapped ones while the loop waits.
+    page_bytes = (2 << 20) * small_layout.num_ranges
+    cfg = config(backend_name, memory_limit=page_bytes, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        held = await kv.alloc(BLOCKS_PER_PAGE)
+        waiter = asyncio.create_task(kv.alloc(10, timeout=5.0))
+        await wait_until(lambda: kv.stats().waiters == 1)
+        taken: list[int] = []
+
+        def scheduler() -> None:
+            kv.free(held[:20])  # serves the waiter: its completion wakes the loop
+            taken.extend(kv.alloc_nowait(5))  # the 10 left over after the waiter's share
+
+        await asyncio.wait_for(asyncio.to_thread(scheduler), 5.0)
+        got = await asyncio.wait_for(waiter, 5.0)
+        assert len(got) == 10 and len(taken) == 5
+        assert not set(got) & set(taken)
+        kv.free(got + taken + held[20:])
+        assert kv.stats().used_blocks == 0
