@@ -86,6 +86,7 @@ class Allocator:
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
         blocks_per_page = layout.blocks_per_page(config.page_size)
+        self._blocks_per_page = blocks_per_page
         num_pages = -(-config.max_blocks // blocks_per_page)
         self._page_bytes = config.page_size * layout.num_ranges
         self._num_pages = num_pages
@@ -185,13 +186,13 @@ class Allocator:
             n = _check_count(n)
         result = self._pool.alloc_nowait(n)
         if result is None:
-            if n > self._limit_blocks():
-                raise OutOfBlocks(
-                    f"alloc of {n} blocks can never fit: the limit is {self._limit_blocks()} blocks"
-                )
+            stats = self._pool.stats()
+            limit = min(stats["limit_pages"] * self._blocks_per_page, self.num_blocks)
+            if n > limit:
+                raise OutOfBlocks(f"alloc of {n} blocks can never fit: the limit is {limit} blocks")
             raise WouldBlock(
-                f"{n} mapped free blocks are not available now "
-                f"({self._pool.stats()['free_blocks']} free); use await alloc()"
+                f"{n} mapped free blocks are not available now ({stats['free_blocks']} free, "
+                f"{stats['waiters']} request(s) waiting); use await alloc()"
             )
         if self._zero_on_alloc:
             self._zero_blocks(result)
@@ -427,11 +428,6 @@ class Allocator:
                 f"({self._page_bytes} bytes across {self._layout.num_ranges} ranges)"
             )
         return min(pages, self._num_pages)
-
-    def _limit_blocks(self) -> int:
-        blocks_per_page = self._layout.blocks_per_page(self._config.page_size)
-        limit_pages: int = self._pool.stats()["limit_pages"]
-        return min(limit_pages * blocks_per_page, self.num_blocks)
 
     @staticmethod
     def _check_timeout(timeout: float) -> float:
