@@ -1,4 +1,4 @@
-"""Review findings: regression tests that pin right behaviour, and tests that expose bugs.
+"""Edge cases of the page pool and the allocator on it: bitmap bounds, the memory limit, close.
 
 The C++ pool is driven directly through kvasync._core where an exact interleaving matters; every
 wait is bounded (select on the completion fd, or wait_until in asyncio tests).
@@ -154,7 +154,7 @@ def test_a_newcomer_cannot_take_blocks_a_waiter_at_the_memory_limit_counts_on():
         assert pool.close(5.0)
 
 
-# -- BUG 1: the short last page mapped below the limit starves a waiter forever --------------
+# -- a short last page parked at the memory limit must not starve a waiter that fits -------
 
 
 def test_waiter_that_fits_the_limit_is_served_when_the_short_last_page_holds_a_page_of_it():
@@ -184,7 +184,7 @@ def test_waiter_that_fits_the_limit_is_served_when_the_short_last_page_holds_a_p
         pool.close(5.0)
 
 
-# -- BUG 2: free() after close() corrupts page accounting -------------------------------------
+# -- free() after close() only records the blocks as freed ------------------------------------
 
 
 def test_free_after_close_leaves_every_page_unmapped():
@@ -233,7 +233,7 @@ async def test_close_settles_every_waiter_behind_a_hung_map_and_leaves_nothing_p
         faults.release()
 
 
-# -- BUG 3 (minor): close(timeout=0) abandons an idle mapper and leaves memory mapped ---------
+# -- close(timeout=0) still joins an idle mapper and unmaps everything -----------------------
 
 
 async def test_close_with_zero_timeout_and_an_idle_mapper_still_unmaps_everything(small_layout):
