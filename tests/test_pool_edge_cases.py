@@ -159,9 +159,9 @@ def test_a_newcomer_cannot_take_blocks_a_waiter_at_the_memory_limit_counts_on():
 
 def test_waiter_that_fits_the_limit_is_served_when_the_short_last_page_holds_a_page_of_it():
     # 20 blocks of 8 a page: pages 0 and 1 hold 8 blocks, page 2 only 4. Limit 2 pages = 16
-    # blocks, so alloc(16) is accepted as fitting. But when page 2 is the mapped one, the pool
-    # maps page 0 (headroom 1), then sits at the limit with 12 free blocks and never unmaps page 2
-    # (plan_unmaps skips while waiters exist) to map page 1 instead: the waiter can never be served.
+    # blocks, so alloc(16) is accepted as fitting. With page 2 the mapped one, the pool maps page 0
+    # (headroom 1) and sits at the limit with 12 free blocks: it must give page 2 back and map
+    # page 1 instead, or the waiter could never be served.
     pool = open_pool(3, 8, num_blocks=20, limit_pages=3)
     try:
         blocks = alloc_now(pool, 20)
