@@ -13,7 +13,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q "$(TORCH)" "triton>=3.2" numpy "pybind11>=2.13" "scikit-build-core>=0.10" \
-		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11" "uvloop>=0.19"
+		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11" "uvloop>=0.19" \
+		"click>=8.1" "rich>=13" "hypothesis>=6.100" "anyio>=4.4" "trio>=0.26" "prometheus-client>=0.20" \
+		"fastapi>=0.110" "uvicorn>=0.30" "httpx>=0.27" "openai>=1.40" "matplotlib>=3.8"
 	touch $@
 
 install: $(VENV)/.deps
@@ -24,8 +26,8 @@ demo: install
 
 test: install
 	$(PY) -m pytest
-	$(VENV)/bin/ruff format --check kvasync kernels tests bench
-	$(VENV)/bin/ruff check kvasync kernels tests bench
+	$(VENV)/bin/ruff format --check src kernels tests bench
+	$(VENV)/bin/ruff check src kernels tests bench
 	$(VENV)/bin/mypy --strict
 
 bench: install

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import click
 import torch
 
 from ._allocator import Allocator, open_allocator
@@ -29,7 +31,7 @@ from ._config import Config
 from ._errors import AllocTimeout, KVAsyncError
 from ._layout import KVLayout
 
-__all__ = ["DemoOptions", "DemoReport", "format_report", "run_demo"]
+__all__ = ["DemoOptions", "DemoReport", "demo_command", "format_report", "run_demo"]
 
 MIB = 1 << 20
 
@@ -432,3 +434,91 @@ def format_report(report: DemoReport) -> str:
     ]
     lines += [f"| {name:<{width}} | {value:>{value_width}} |" for name, value in rows]
     return "\n".join(lines)
+
+
+_DEFAULTS = DemoOptions()
+
+
+@click.command(
+    "demo",
+    help="Simulates an LLM server's KV cache on the host backend: concurrent requests grow their "
+    "caches block by block under a memory limit; prints live progress, then a table. Exits 1 if a "
+    "block leaked or was corrupted, 2 on a usage error or an unusable backend.",
+)
+@click.option(
+    "--requests", type=int, default=_DEFAULTS.requests, show_default=True, help="Requests in all."
+)
+@click.option(
+    "--concurrency",
+    type=int,
+    default=_DEFAULTS.concurrency,
+    show_default=True,
+    help="Requests in flight at most.",
+)
+@click.option(
+    "--memory-limit-mib",
+    type=int,
+    default=_DEFAULTS.memory_limit_mib,
+    show_default=True,
+    help="Physical KV memory the allocator may map.",
+)
+@click.option(
+    "--seconds", type=float, default=_DEFAULTS.seconds, show_default=True, help="Overall time cap."
+)
+@click.option(
+    "--alloc-timeout",
+    type=float,
+    default=_DEFAULTS.alloc_timeout,
+    show_default=True,
+    help="Seconds one alloc may wait.",
+)
+@click.option(
+    "--retries",
+    type=int,
+    default=_DEFAULTS.retries,
+    show_default=True,
+    help="Restarts of a preempted request.",
+)
+@click.option(
+    "--token-time-ms",
+    type=float,
+    default=_DEFAULTS.token_time_ms,
+    show_default=True,
+    help="One decode step, in milliseconds.",
+)
+@click.option("--seed", type=int, default=_DEFAULTS.seed, show_default=True, help="Random seed.")
+def demo_command(
+    requests: int,
+    concurrency: int,
+    memory_limit_mib: int,
+    seconds: float,
+    alloc_timeout: float,
+    retries: int,
+    token_time_ms: float,
+    seed: int,
+) -> None:
+    try:
+        options = DemoOptions(
+            requests=requests,
+            concurrency=concurrency,
+            memory_limit_mib=memory_limit_mib,
+            seconds=seconds,
+            alloc_timeout=alloc_timeout,
+            retries=retries,
+            token_time_ms=token_time_ms,
+            seed=seed,
+        )
+    except ValueError as error:
+        raise click.UsageError(str(error)) from None
+    click.echo(
+        f"kvasync demo: {options.requests} requests, up to {options.concurrency} in flight, "
+        f"memory limit {options.memory_limit_mib} MiB, host backend, cap {options.seconds:g} s"
+    )
+    try:
+        report = asyncio.run(run_demo(options, sys.stdout))
+    except KVAsyncError as error:
+        click.echo(f"kvasync demo: {error}", err=True)
+        raise SystemExit(2) from None
+    click.echo(format_report(report))
+    if report.leaked_blocks or report.corrupt_blocks:
+        raise SystemExit(1)
