@@ -1,4 +1,4 @@
-"""The demo (``python -m kvasync demo``): it finishes, serves requests and leaks nothing."""
+"""The simulation (``python -m kvasync simulate``): it finishes, serves requests, leaks nothing."""
 
 import io
 import subprocess
@@ -57,8 +57,8 @@ async def test_demo_preempts_requests_whose_allocs_time_out() -> None:
     assert report.corrupt_blocks == 0
 
 
-def test_python_m_kvasync_demo_exits_zero() -> None:
-    command = [sys.executable, "-m", "kvasync", "demo", "--requests", "20", "--concurrency", "10"]
+def test_python_m_kvasync_simulate_exits_zero() -> None:
+    command = [sys.executable, "-m", "kvasync", "simulate", "--requests", "20", "--concurrency", "10"]
     command += ["--memory-limit-mib", "8", "--seconds", "10", "--token-time-ms", "0.5"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -67,7 +67,7 @@ def test_python_m_kvasync_demo_exits_zero() -> None:
 
 
 def test_python_m_kvasync_rejects_a_memory_limit_below_one_request() -> None:
-    command = [sys.executable, "-m", "kvasync", "demo", "--memory-limit-mib", "1"]
+    command = [sys.executable, "-m", "kvasync", "simulate", "--memory-limit-mib", "1"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "memory_limit_mib=1" in result.stderr

@@ -9,7 +9,8 @@ from __future__ import annotations
 import click
 
 from . import __version__
-from ._demo import demo_command
+from ._demo import simulate_command
+from .serve._cli import demo_command, serve_command
 
 __all__ = ["main"]
 
@@ -20,7 +21,9 @@ def main() -> None:
     """kvasync: an elastic, virtual-memory-backed paged KV-cache allocator."""
 
 
+main.add_command(simulate_command)
 main.add_command(demo_command)
+main.add_command(serve_command)
 
 
 if __name__ == "__main__":

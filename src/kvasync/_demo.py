@@ -1,4 +1,4 @@
-"""The demo behind ``python -m kvasync demo``: a serving simulation on the host backend.
+"""The simulation behind ``python -m kvasync simulate``: requests growing a KV cache (no model).
 
 Note [Demo workload]
 ~~~~~~~~~~~~~~~~~~~~
@@ -31,7 +31,7 @@ from ._config import Config
 from ._errors import AllocTimeout, KVAsyncError
 from ._layout import KVLayout
 
-__all__ = ["DemoOptions", "DemoReport", "demo_command", "format_report", "run_demo"]
+__all__ = ["DemoOptions", "DemoReport", "format_report", "run_demo", "simulate_command"]
 
 MIB = 1 << 20
 
@@ -440,7 +440,7 @@ _DEFAULTS = DemoOptions()
 
 
 @click.command(
-    "demo",
+    "simulate",
     help="Simulates an LLM server's KV cache on the host backend: concurrent requests grow their "
     "caches block by block under a memory limit; prints live progress, then a table. Exits 1 if a "
     "block leaked or was corrupted, 2 on a usage error or an unusable backend.",
@@ -487,7 +487,7 @@ _DEFAULTS = DemoOptions()
     help="One decode step, in milliseconds.",
 )
 @click.option("--seed", type=int, default=_DEFAULTS.seed, show_default=True, help="Random seed.")
-def demo_command(
+def simulate_command(
     requests: int,
     concurrency: int,
     memory_limit_mib: int,
@@ -511,13 +511,13 @@ def demo_command(
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     click.echo(
-        f"kvasync demo: {options.requests} requests, up to {options.concurrency} in flight, "
+        f"kvasync simulate: {options.requests} requests, up to {options.concurrency} in flight, "
         f"memory limit {options.memory_limit_mib} MiB, host backend, cap {options.seconds:g} s"
     )
     try:
         report = asyncio.run(run_demo(options, sys.stdout))
     except KVAsyncError as error:
-        click.echo(f"kvasync demo: {error}", err=True)
+        click.echo(f"kvasync simulate: {error}", err=True)
         raise SystemExit(2) from None
     click.echo(format_report(report))
     if report.leaked_blocks or report.corrupt_blocks:

@@ -1,0 +1,148 @@
+"""Paged attention for the engine: write a batch's new K/V into its blocks, then attend.
+
+The batch's K/V go into the cache only through the views ``kv.layer(i)`` returns and only at the
+blocks kvasync allocated for each sequence. Then each query attends over its sequence's blocks:
+the Triton kernel (kvasync.kernels.paged_attention, Note [Paged attention kernel]) on a GPU, or
+the torch reference below on a CPU. Both read the blocks through the same block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PagedBatch", "attend_paged", "reference_paged_attention", "write_kv"]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Where a batch's new tokens go and what they attend to.
+
+    ``T`` new tokens of ``S`` sequences; sequence ``s`` owns queries ``query_ranges[s]``.
+    """
+
+    slot_blocks: torch.Tensor  # [T] int64: the block each new token's K/V is written to
+    slot_offsets: torch.Tensor  # [T] int64: its row in that block
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    query_seqs: torch.Tensor  # [T] int32
+    query_positions: torch.Tensor  # [T] int32
+    query_ranges: tuple[tuple[int, int], ...]  # per sequence: [start, end) of its queries
+    seq_lens: tuple[int, ...]  # per sequence: tokens in the cache after this batch
+    num_blocks: tuple[int, ...]  # per sequence: blocks its table row lists
+
+    @classmethod
+    def build(
+        cls,
+        tables: list[list[int]],
+        starts: list[int],
+        ends: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> PagedBatch:
+        """The batch where sequence s computes positions ``starts[s] .. ends[s] - 1``.
+
+        Args:
+            tables: each sequence's block ids, in order (at least ``ceil(end / block_size)``).
+            starts: the first new position of each sequence (tokens before it are cached).
+            ends: one past the last new position.
+            block_size: tokens per block.
+            device: where the index tensors go.
+        """
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), width, dtype=torch.int32)
+        blocks: list[int] = []
+        offsets: list[int] = []
+        seqs: list[int] = []
+        positions: list[int] = []
+        ranges = []
+        for s, (ids, start, end) in enumerate(zip(tables, starts, ends, strict=True)):
+            assert len(ids) * block_size >= end, "bug: a sequence has too few blocks for its tokens"
+            table[s, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            ranges.append((len(positions), len(positions) + end - start))
+            for p in range(start, end):
+                blocks.append(ids[p // block_size])
+                offsets.append(p % block_size)
+                seqs.append(s)
+                positions.append(p)
+        return cls(
+            slot_blocks=torch.tensor(blocks, dtype=torch.int64).to(device, non_blocking=True),
+            slot_offsets=torch.tensor(offsets, dtype=torch.int64).to(device, non_blocking=True),
+            block_tables=table.to(device, non_blocking=True),
+            query_seqs=torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True),
+            query_positions=torch.tensor(positions, dtype=torch.int32).to(
+                device, non_blocking=True
+            ),
+            query_ranges=tuple(ranges),
+            seq_lens=tuple(ends),
+            num_blocks=tuple(len(t) for t in tables),
+        )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Writes the batch's new ``k``, ``v`` (``[T, KVH, D]``) into their blocks' slots."""
+    k_cache[batch.slot_blocks, batch.slot_offsets] = k.to(k_cache.dtype)
+    v_cache[batch.slot_blocks, batch.slot_offsets] = v.to(v_cache.dtype)
+
+
+def reference_paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch
+) -> torch.Tensor:
+    """The torch path: per sequence, read its blocks through the table and attend causally.
+
+    Returns:
+        ``[T, H, D]`` in ``q``'s dtype.
+    """
+    num_heads = q.shape[1]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for s, (start, end) in enumerate(batch.query_ranges):
+        length = batch.seq_lens[s]
+        ids = batch.block_tables[s, : -(-length // block_size)].long()
+        keys = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        values = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[start:end].float()  # [n, H, D]
+        scores = torch.einsum("nhd,lhd->hnl", queries, keys) * head_dim**-0.5
+        key_pos = torch.arange(length, device=q.device)
+        allowed = key_pos[None, :] <= batch.query_positions[start:end, None].long()
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        out[start:end] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values).to(q.dtype)
+    return out
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[torch.Tensor, ...],
+    batch: PagedBatch,
+    use_kernel: bool,
+) -> torch.Tensor:
+    """One layer's attention for the batch: write its K/V into the blocks, then attend.
+
+    Args:
+        q: ``[T, H, D]``; k, v: ``[T, KVH, D]``: the batch's new tokens.
+        caches: ``kv.layer(i)``: the layer's ``(k_cache, v_cache)``.
+        batch: where the tokens go and what they attend to.
+        use_kernel: the Triton kernel (else the torch reference).
+    """
+    k_cache, v_cache = caches
+    write_kv(k_cache, v_cache, batch, k, v)
+    if use_kernel:
+        from .. import kernels  # type: ignore[attr-defined]
+
+        result: torch.Tensor = kernels.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            batch.block_tables,
+            batch.query_seqs,
+            batch.query_positions,
+        )
+        return result
+    return reference_paged_attention(q, k_cache, v_cache, batch)

@@ -1,0 +1,80 @@
+"""The serving commands: ``kvasync serve`` (the HTTP server) and ``kvasync demo``.
+
+Imports of the web stack and of the demo happen inside the commands, so that ``kvasync --help``
+and the other commands start without them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ._engine import EngineConfig
+
+__all__ = ["demo_command", "serve_command"]
+
+
+@click.command("serve")
+@click.option("--preset", default="tiny", show_default=True, help="model: tiny (CPU) or small.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-blocks", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--memory-limit-mib", default=None, type=click.IntRange(1), help="KV memory cap.")
+@click.option("--max-batch", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--request-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.001))
+def serve_command(
+    preset: str,
+    host: str,
+    port: int,
+    device: str,
+    max_blocks: int,
+    memory_limit_mib: int | None,
+    max_batch: int,
+    request_timeout: float,
+) -> None:
+    """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions)."""
+    import uvicorn
+
+    from ._http import create_app
+
+    try:
+        config = EngineConfig(
+            preset=preset,
+            device=device,
+            max_blocks=max_blocks,
+            memory_limit=None if memory_limit_mib is None else memory_limit_mib << 20,
+            max_batch=max_batch,
+            request_timeout=request_timeout,
+        )
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+@click.command("demo")
+@click.option("--requests", default=48, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--max-tokens", default=48, show_default=True, type=click.IntRange(1, 256))
+@click.option(
+    "--memory-limit-mib",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1),
+    help="KV memory cap: below the burst's peak demand, so the engine preempts.",
+)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--plot",
+    default="kvasync-demo.png",
+    show_default=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="where to write the plot (PNG).",
+)
+def demo_command(
+    requests: int, max_tokens: int, memory_limit_mib: int, seed: int, plot: Path
+) -> None:
+    """Serve a burst of concurrent requests with the tiny model; live progress, then a table."""
+    from ._demo import run_demo_command
+
+    run_demo_command(requests, max_tokens, memory_limit_mib, seed, plot)

@@ -1,0 +1,754 @@
+"""The serving engine: continuous batching over a paged KV cache that kvasync allocates.
+
+Note [Engine scheduling]
+~~~~~~~~~~~~~~~~~~~~~~~~
+One asyncio task runs the engine, step after step:
+
+1. Expire: a request whose deadline passed (waiting or running) fails with DeadlineExceeded and
+   its blocks are freed. No request waits past its deadline.
+2. Admit waiting requests, oldest first, while the batch has room (``max_batch`` requests,
+   ``max_batch_tokens`` new tokens): each gets the blocks for its tokens with ``await kv.alloc``.
+   With other requests running, the alloc waits at most ``alloc_timeout`` (pages being mapped
+   arrive in well under that), so that a full cache never stalls the running batch; on a timeout
+   admission pauses until blocks are freed. With nothing running it waits up to the request's
+   own deadline: there is nothing else to do.
+3. Grow: a running request about to cross into a new block gets it with ``await kv.alloc``. When
+   the allocator says it cannot fit (``kv.stats()`` shows too few free and mappable blocks, or the
+   alloc times out or raises OutOfBlocks), the engine preempts the youngest running request: it
+   frees its blocks and puts it back in the queue, to be recomputed from its prompt and the
+   tokens it already produced (recompute preemption). A request alone that cannot grow waits up
+   to its deadline; one that can never fit fails with RequestFailed.
+4. Step: one forward pass over the new tokens of every running request (prefill and decode in one
+   batch), run in a worker thread so the loop keeps serving HTTP. Each request then gets its next
+   token.
+
+A request's KV covers ``tokens[:num_computed]``; a step computes ``tokens[num_computed:]`` (the
+prompt, or after a preemption prompt + output, or just the last token) and needs
+``ceil(len(tokens) / block_size)`` blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import concurrent.futures
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .._allocator import Allocator
+from .._config import Config
+from .._errors import AllocTimeout, KVAsyncError, OutOfBlocks
+from .._layout import KVLayout
+from ._attention import PagedBatch, attend_paged
+from ._errors import DeadlineExceeded, EngineClosed, RequestFailed
+from ._model import ModelConfig, Transformer, preset
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "ModelRunner",
+    "RequestRecord",
+    "open_engine",
+]
+
+# Sampled tokens are printable ASCII and newline, so that outputs read as text; the logits (and
+# the correctness test) cover all 256 byte values.
+_SAMPLEABLE = [10, *range(32, 127)]
+_IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between deadline checks
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine.
+
+    Args:
+        preset: the model (``"tiny"`` or ``"small"``).
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"`` (cuda when available).
+        dtype: the model's and the cache's dtype; fp32 on a CPU, bf16 on a GPU when None.
+        backend: the kvasync backend (``"auto"``, ``"host"``, ``"cuda"``).
+        max_blocks: the KV cache's virtual capacity in blocks.
+        memory_limit: bytes of KV memory it may map; None = the whole capacity.
+        page_size: kvasync's unit of mapping; 64 KiB on host, 2 MiB on cuda when None.
+        reserve_pages: kvasync's reserve watermarks (mapped-free pages kept ready).
+        static: map the whole capacity (or memory_limit) at start and never give it back: the
+            baseline of an engine without an elastic allocator.
+        max_batch: requests running at once.
+        max_batch_tokens: new tokens one step computes at most (prefill budget).
+        alloc_timeout: how long an alloc may stall the running batch (see Note [Engine
+            scheduling]).
+        request_timeout: a request's deadline, in seconds after submission, when it gives none.
+        attention: ``"triton"``, ``"torch"`` or ``"auto"`` (triton on a GPU).
+        share: kvasync device share to join (co-located engines); None = none.
+        device_budget: bytes the share's allocators may map together.
+        name: this engine's name (in the share's ledger and in metrics).
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    preset: str = "tiny"
+    device: str = "auto"
+    dtype: torch.dtype | None = None
+    backend: str = "auto"
+    max_blocks: int = 2048
+    memory_limit: int | None = None
+    page_size: int | None = None
+    reserve_pages: tuple[int, int] = (1, 4)
+    static: bool = False
+    max_batch: int = 64
+    max_batch_tokens: int = 4096
+    alloc_timeout: float = 0.05
+    request_timeout: float = 60.0
+    attention: str = "auto"
+    share: str | None = None
+    device_budget: int | None = None
+    name: str = "kvasync-engine"
+
+    def __post_init__(self) -> None:
+        preset(self.preset)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"EngineConfig.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"EngineConfig.attention must be auto, triton or torch, got {self.attention!r}"
+            )
+        for name in ("max_blocks", "max_batch", "max_batch_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("alloc_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"EngineConfig.{name} must be positive seconds, got {value!r}")
+
+    @property
+    def model(self) -> ModelConfig:
+        """The model's shape."""
+        return preset(self.preset)
+
+    def resolved_device(self) -> torch.device:
+        """The torch device the model runs on."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished (or failed) request, for benchmarks: times are ``time.monotonic()``."""
+
+    request_id: int
+    arrival: float
+    first_token: float | None
+    finish: float
+    prompt_tokens: int
+    output_tokens: int
+    preemptions: int
+    error: str | None
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first."""
+        if self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The result of ``Engine.complete``."""
+
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    record: RequestRecord
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters and gauges of an engine (``kv`` is the allocator's snapshot)."""
+
+    running: int
+    waiting: int
+    finished: int
+    failed: int
+    preemptions: int
+    steps: int
+    prompt_tokens: int
+    output_tokens: int
+    kv_used_blocks: int
+    kv_mapped_bytes: int
+
+
+@dataclass
+class _Request:
+    request_id: int
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    generator: torch.Generator | None
+    arrival: float  # time.monotonic()
+    deadline: float  # loop.time()
+    events: asyncio.Queue[int | BaseException | None]
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    first_token: float | None = None
+    preemptions: int = 0
+    done: bool = False
+    record: RequestRecord | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class ModelRunner:
+    """Runs the model over requests' paged KV: the piece the correctness test drives directly.
+
+    Args:
+        model: the transformer.
+        kv: the allocator whose blocks hold the K/V.
+        use_kernel: attend with the Triton kernel (else the torch reference).
+    """
+
+    def __init__(self, model: Transformer, kv: Allocator, use_kernel: bool) -> None:
+        self.model = model
+        self.kv = kv
+        self.use_kernel = use_kernel
+        self._layers = [kv.layer(i) for i in range(model.config.num_layers)]
+
+    def step(
+        self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]
+    ) -> torch.Tensor:
+        """Computes positions ``starts[s]..`` of each sequence, writing their K/V into blocks.
+
+        Args:
+            tokens: each sequence's tokens so far (its KV covers ``tokens[s][:starts[s]]``).
+            starts: tokens of each sequence already in the cache.
+            tables: each sequence's block ids, in order, enough for all its tokens.
+
+        Returns:
+            ``[T, 256]`` logits of every computed position, sequence after sequence.
+        """
+        device = self.model.device
+        ends = [len(t) for t in tokens]
+        batch = PagedBatch.build(tables, starts, ends, self.model.config.block_size, device)
+        new = [t for seq, start in zip(tokens, starts, strict=True) for t in seq[start:]]
+        token_tensor = torch.tensor(new, dtype=torch.int64).to(device, non_blocking=True)
+        positions = batch.query_positions.long()
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return attend_paged(q, k, v, self._layers[layer], batch, self.use_kernel)
+
+        return self.model.forward(token_tensor, positions, attend)
+
+
+class Engine:
+    """A continuous-batching engine over kvasync (see Note [Engine scheduling]).
+
+    Open it with ``open_engine(config)`` (an async context manager) or ``await Engine.open``,
+    inside a running loop; submit with ``generate`` (streams text) or ``complete``.
+    """
+
+    def __init__(self, config: EngineConfig, model: Transformer, kv: Allocator) -> None:
+        self.config = config
+        self.model = model
+        self.kv = kv
+        use_kernel = config.attention == "triton" or (
+            config.attention == "auto" and model.device.type == "cuda"
+        )
+        self.runner = ModelRunner(model, kv, use_kernel)
+        self._block_size = model.config.block_size
+        self._loop = asyncio.get_running_loop()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._admit_paused = False  # an admission alloc timed out: wait for blocks to be freed
+        self._closed = False
+        self._records: list[RequestRecord] = []
+        self._counts = {"finished": 0, "failed": 0, "preemptions": 0, "steps": 0}
+        self._token_counts = {"prompt": 0, "output": 0}
+        mask = torch.full((256,), float("-inf"))
+        mask[_SAMPLEABLE] = 0.0
+        self._sample_mask = mask.to(model.device)
+        # One worker thread runs the steps in order; the loop stays free for HTTP meanwhile.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvasync-step")
+        self._task = asyncio.ensure_future(self._run())
+
+    @classmethod
+    async def open(cls, config: EngineConfig | None = None) -> Engine:
+        """Builds the model, opens its KV cache and starts the engine's task.
+
+        Args:
+            config: settings; ``EngineConfig()`` when None.
+
+        Returns:
+            The running engine; ``await engine.close()`` stops it.
+
+        Raises:
+            ValueError: settings that do not fit together.
+            KVAsyncError: the KV cache cannot be opened here.
+            AllocTimeout: a static engine's cache was not mapped within its timeout.
+        """
+        config = config or EngineConfig()
+        device = config.resolved_device()
+        dtype = config.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = Transformer(config.model, device, dtype)
+        layout = KVLayout(
+            num_layers=config.model.num_layers,
+            num_kv_heads=config.model.num_kv_heads,
+            head_dim=config.model.head_dim,
+            block_size=config.model.block_size,
+            dtype=dtype,
+        )
+        kv = await Allocator.open(layout, _kv_config(config, layout, device))
+        try:
+            if config.static:
+                await _map_everything(kv)
+        except BaseException:
+            await kv.close()
+            raise
+        return cls(config, model, kv)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[str]:
+        """Submits a request and yields its output text as it is produced.
+
+        Closing the iterator early (or cancelling the consumer) aborts the request.
+
+        Args:
+            prompt: the prompt; its UTF-8 bytes are the tokens.
+            max_tokens: tokens to generate (the output length).
+            temperature: 0 = greedy; otherwise sampling, seeded by ``seed``.
+            seed: the sampler's seed.
+            timeout: seconds until the request's deadline; ``request_timeout`` when None.
+
+        Yields:
+            Pieces of the output text.
+
+        Raises:
+            ValueError: an empty prompt, one too long for the model, or bad numbers.
+            DeadlineExceeded: the deadline passed first.
+            RequestFailed: the request cannot be served (its KV can never fit, ...).
+            EngineClosed: the engine closed first.
+        """
+        request = self._submit(prompt, max_tokens, temperature, seed, timeout)
+        async for piece in self._stream(request):
+            yield piece
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Submits a request and waits for all of its output (``generate``'s arguments).
+
+        Raises:
+            The same as ``generate``.
+        """
+        request = self._submit(prompt, max_tokens, temperature, seed, timeout)
+        text = "".join([piece async for piece in self._stream(request)])
+        record = request.record
+        assert record is not None, "bug: a request's stream ended before its record was written"
+        return Completion(text, record.prompt_tokens, record.output_tokens, "length", record)
+
+    def records(self) -> list[RequestRecord]:
+        """Every request that ended so far, in the order they ended."""
+        return list(self._records)
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and its KV cache."""
+        kv = self.kv.stats()
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            finished=self._counts["finished"],
+            failed=self._counts["failed"],
+            preemptions=self._counts["preemptions"],
+            steps=self._counts["steps"],
+            prompt_tokens=self._token_counts["prompt"],
+            output_tokens=self._token_counts["output"],
+            kv_used_blocks=kv.used_blocks,
+            kv_mapped_bytes=kv.mapped_bytes,
+        )
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    async def close(self, *, timeout: float = 10.0) -> None:
+        """Fails every unfinished request with EngineClosed and closes the KV cache.
+
+        Args:
+            timeout: seconds to wait for the running step and for the allocator's close.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._task.cancel()
+        await asyncio.wait([self._task], timeout=timeout)
+        for request in [*self._running, *self._waiting]:
+            self._finish(request, EngineClosed("the engine was closed"))
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.kv.close(timeout=timeout)
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- the loop (Note [Engine scheduling]) ------------------------------------------------
+
+    async def _stream(self, request: _Request) -> AsyncIterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while True:
+                event = await request.events.get()
+                if event is None:
+                    tail = decoder.decode(b"", final=True)
+                    if tail:
+                        yield tail
+                    return
+                if isinstance(event, BaseException):
+                    raise event
+                text = decoder.decode(bytes((event,)))
+                if text:
+                    yield text
+        finally:
+            # Closed early or cancelled: the request's blocks go back now.
+            self._finish(request, EngineClosed("the request was abandoned by its caller"))
+
+    def _submit(
+        self, prompt: str, max_tokens: int, temperature: float, seed: int | None, timeout: float | None
+    ) -> _Request:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt must be a non-empty str, got {prompt!r:.40}")
+        tokens = list(prompt.encode())
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        limit = self.model.config.max_seq_len
+        if len(tokens) + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"max_seq_len of {limit}"
+            )
+        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        wait = self.config.request_timeout if timeout is None else timeout
+        if not (isinstance(wait, (int, float)) and math.isfinite(wait) and wait > 0):
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        generator = None
+        if temperature > 0:
+            generator = torch.Generator(self.model.device)
+            generator.manual_seed(seed if seed is not None else 0)
+        request = _Request(
+            request_id=next(self._ids),
+            prompt=tokens,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            generator=generator,
+            arrival=time.monotonic(),
+            deadline=self._loop.time() + wait,
+            events=asyncio.Queue(),
+        )
+        self._waiting.append(request)
+        self._wake.set()
+        return request
+
+    async def _run(self) -> None:
+        while True:
+            self._expire()
+            await self._admit()
+            if not self._running:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), _IDLE_WAIT_S)
+                except TimeoutError:
+                    pass
+                continue
+            await self._grow()
+            if self._running:
+                await self._step()
+
+    def _expire(self) -> None:
+        now = self._loop.time()
+        for request in [r for r in (*self._waiting, *self._running) if r.deadline <= now]:
+            where = "running" if request in self._running else "waiting for admission"
+            waited = time.monotonic() - request.arrival
+            self._finish(
+                request,
+                DeadlineExceeded(
+                    f"request {request.request_id} passed its deadline after {waited:.3f} s "
+                    f"({where}, {len(request.output)}/{request.max_tokens} tokens done)"
+                ),
+            )
+
+    def _blocks_needed(self, request: _Request) -> int:
+        return -(-len(request.tokens) // self._block_size) - len(request.blocks)
+
+    async def _admit(self) -> None:
+        budget = self.config.max_batch_tokens - sum(
+            len(r.tokens) - r.num_computed for r in self._running
+        )
+        while (
+            self._waiting
+            and not self._admit_paused
+            and len(self._running) < self.config.max_batch
+        ):
+            request = self._waiting[0]
+            new_tokens = len(request.tokens) - request.num_computed
+            if new_tokens > budget and self._running:
+                return
+            need = self._blocks_needed(request)
+            if self._running and not self._fits(need):
+                self._admit_paused = True  # nothing frees blocks until a request ends
+                return
+            try:
+                # Alone, a request may wait up to its deadline: nothing else would run.
+                if self._running:
+                    blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
+                else:
+                    blocks = await self.kv.alloc(need, deadline=request.deadline)
+            except AllocTimeout:
+                if self._running:
+                    self._admit_paused = True
+                return  # alone: _expire fails it at its deadline
+            except KVAsyncError as error:  # OutOfBlocks, MapError, AllocatorClosed
+                self._waiting.popleft()
+                self._finish(request, _failure(request, need, error))
+                continue
+            if request.done or self._waiting[0] is not request:  # expired or aborted meanwhile
+                self.kv.free(blocks)
+                continue
+            self._waiting.popleft()
+            request.blocks = blocks
+            self._running.append(request)
+            budget -= new_tokens
+
+    def _fits(self, need: int) -> bool:
+        """Whether ``need`` blocks are free or could be mapped under the memory limit now."""
+        s = self.kv.stats()
+        bpp = self.kv.num_blocks // max(1, self._num_pages)
+        mappable = max(0, s.memory_limit_pages - s.mapped_pages - s.mapping_pages) * bpp
+        return s.free_blocks + mappable >= need
+
+    @property
+    def _num_pages(self) -> int:
+        layout = self.kv.layout
+        per_page = layout.blocks_per_page(self.kv.config.page_size)
+        return -(-self.kv.num_blocks // per_page)
+
+    async def _grow(self) -> None:
+        for request in list(self._running):  # oldest first: the youngest are preempted first
+            while request in self._running:
+                need = self._blocks_needed(request)
+                if need <= 0:
+                    break
+                alone = len(self._running) == 1
+                try:
+                    if alone:
+                        blocks = await self.kv.alloc(need, deadline=request.deadline)
+                    elif self._fits(need):
+                        blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
+                    else:
+                        self._preempt_youngest()
+                        continue
+                except AllocTimeout:
+                    if alone:
+                        break  # _expire fails it at its deadline
+                    self._preempt_youngest()
+                    continue
+                except OutOfBlocks as error:
+                    if alone:
+                        self._finish(request, _failure(request, need, error))
+                        break
+                    self._preempt_youngest()
+                    continue
+                except KVAsyncError as error:
+                    self._finish(request, _failure(request, need, error))
+                    break
+                if request in self._running:
+                    request.blocks.extend(blocks)
+                else:  # preempted or expired while its alloc waited
+                    self.kv.free(blocks)
+
+    def _preempt_youngest(self) -> None:
+        victim = max(self._running, key=lambda r: (r.arrival, r.request_id))
+        self._running.remove(victim)
+        self.kv.free(victim.blocks)
+        victim.blocks = []
+        victim.num_computed = 0
+        victim.preemptions += 1
+        self._counts["preemptions"] += 1
+        # Back in the queue in arrival order: it was admitted before anything still waiting.
+        self._waiting.appendleft(victim)
+        self._admit_paused = False
+
+    async def _step(self) -> None:
+        batch = [r for r in self._running if self._blocks_needed(r) <= 0]
+        if not batch:
+            return
+        tokens = [r.tokens for r in batch]
+        starts = [r.num_computed for r in batch]
+        tables = [list(r.blocks) for r in batch]
+        sampled = await self._loop.run_in_executor(
+            self._executor, self._compute, tokens, starts, tables, batch
+        )
+        self._counts["steps"] += 1
+        now = time.monotonic()
+        for request, token, seq_tokens in zip(batch, sampled, tokens, strict=True):
+            if request.done or request not in self._running:
+                continue  # expired, aborted or preempted during the step
+            request.num_computed = len(seq_tokens)
+            request.output.append(token)
+            self._token_counts["output"] += 1
+            if request.first_token is None:
+                request.first_token = now
+                self._token_counts["prompt"] += len(request.prompt)
+            request.events.put_nowait(token)
+            if len(request.output) >= request.max_tokens:
+                self._finish(request, None)
+
+    def _compute(
+        self,
+        tokens: list[list[int]],
+        starts: list[int],
+        tables: list[list[int]],
+        batch: list[_Request],
+    ) -> list[int]:
+        logits = self.runner.step(tokens, starts, tables)
+        ends = list(itertools.accumulate(len(t) - s for t, s in zip(tokens, starts, strict=True)))
+        last = logits[torch.tensor([e - 1 for e in ends], device=logits.device)]
+        last = last + self._sample_mask
+        result = last.argmax(-1)
+        for i, request in enumerate(batch):
+            if request.temperature > 0:
+                probs = torch.softmax(last[i] / request.temperature, -1)
+                result[i] = torch.multinomial(probs, 1, generator=request.generator)[0]
+        return [int(t) for t in result.tolist()]
+
+    def _finish(self, request: _Request, error: BaseException | None) -> None:
+        if request.done:
+            return
+        request.done = True
+        if request in self._running:
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        if request.blocks:
+            self.kv.free(request.blocks)
+            self._admit_paused = False
+        request.blocks = []
+        self._counts["failed" if error else "finished"] += 1
+        request.record = RequestRecord(
+                request_id=request.request_id,
+                arrival=request.arrival,
+                first_token=request.first_token,
+                finish=time.monotonic(),
+                prompt_tokens=len(request.prompt),
+                output_tokens=len(request.output),
+                preemptions=request.preemptions,
+                error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+        self._records.append(request.record)
+        request.events.put_nowait(error)
+
+def _failure(request: _Request, need: int, error: KVAsyncError) -> RequestFailed:
+    if isinstance(error, OutOfBlocks):
+        return RequestFailed(
+            f"request {request.request_id} needs {need} more KV blocks, more than the cache can "
+            f"ever hold ({error}); shorten it or raise the memory limit"
+        )
+    return RequestFailed(f"request {request.request_id} failed: {type(error).__name__}: {error}")
+
+
+def _kv_config(config: EngineConfig, layout: KVLayout, device: torch.device) -> Config:
+    backend = config.backend
+    if backend == "auto":
+        backend = "cuda" if device.type == "cuda" else "host"
+    page_size = config.page_size or ((2 << 20) if backend == "cuda" else (64 << 10))
+    extra: dict[str, Any] = {}
+    if config.share is not None:  # co-location (Config.share / device_budget)
+        extra = {"share": config.share, "device_budget": config.device_budget, "name": config.name}
+    kv_config = Config(
+        backend=backend,
+        max_blocks=config.max_blocks,
+        memory_limit=config.memory_limit,
+        page_size=page_size,
+        reserve_pages=config.reserve_pages,
+        default_timeout=max(5.0, config.alloc_timeout),
+        device=device.index or 0 if device.type == "cuda" else 0,
+        **extra,
+    )
+    if config.static:
+        # Map everything the engine may use, up front, and keep it: the reserve's watermarks at
+        # the whole budget (so nothing is ever unmapped).
+        per_page = layout.blocks_per_page(page_size)
+        pages = -(-config.max_blocks // per_page)
+        if config.memory_limit is not None:
+            pages = min(pages, config.memory_limit // (page_size * layout.num_ranges))
+        kv_config = replace(kv_config, reserve_pages=(pages, pages))
+    return kv_config
+
+
+async def _map_everything(kv: Allocator, timeout: float = 60.0) -> None:
+    """Waits (at most ``timeout``) until a static engine's reserve holds its whole budget."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    target = kv.config.reserve_pages[0]
+    while kv.stats().mapped_pages < target:
+        if loop.time() > deadline:
+            raise AllocTimeout(
+                f"the static KV pool mapped {kv.stats().mapped_pages} of {target} pages in "
+                f"{timeout} s"
+            )
+        await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    """Opens an engine for an ``async with`` block, then closes it.
+
+    Args:
+        config: settings; ``EngineConfig()`` when None.
+
+    Yields:
+        The running engine.
+    """
+    engine = await Engine.open(config)
+    try:
+        yield engine
+    finally:
+        await engine.close()

@@ -1,0 +1,133 @@
+"""The engine: continuous batching, preemption under a memory limit, deadlines, clean errors."""
+
+import asyncio
+
+import pytest
+from conftest import wait_until
+
+from kvasync.serve import (
+    DeadlineExceeded,
+    EngineClosed,
+    EngineConfig,
+    RequestFailed,
+    open_engine,
+)
+
+PROMPTS = [("x" * n, m) for n, m in ((3, 12), (40, 20), (17, 33), (64, 8), (5, 40), (31, 25))]
+# 64 KiB pages of 32 blocks (tiny model, fp32): a 1 MiB limit is 4 pages, 128 blocks.
+SMALL_LIMIT = 1 << 20
+
+
+def _config(**changes: object) -> EngineConfig:
+    fields: dict[str, object] = {"preset": "tiny", "device": "cpu", "request_timeout": 30.0}
+    fields.update(changes)
+    return EngineConfig(**fields)  # type: ignore[arg-type]
+
+
+async def _complete_all(config: EngineConfig, prompts: list[tuple[str, int]]) -> list[str]:
+    async with open_engine(config) as engine:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(engine.complete(p, max_tokens=m) for p, m in prompts)), 30
+        )
+        assert engine.kv.stats().used_blocks == 0  # every request's blocks went back
+        assert engine.stats().finished == len(prompts)
+    for completion, (_, max_tokens) in zip(results, prompts, strict=True):
+        assert completion.output_tokens == max_tokens
+        assert len(completion.text) == max_tokens  # printable ASCII: one char per token
+    return [c.text for c in results]
+
+
+async def test_a_batch_completes_and_greedy_output_does_not_depend_on_batching() -> None:
+    together = await _complete_all(_config(), PROMPTS)
+    alone = [(await _complete_all(_config(), [p]))[0] for p in PROMPTS[:2]]
+    assert together[:2] == alone
+
+
+async def test_preemption_under_a_memory_limit_gives_the_same_outputs() -> None:
+    # 40 requests needing 2-6 blocks each at once do not fit in 128 blocks: the youngest are
+    # preempted and recomputed, which must not change what any of them produces.
+    prompts = [("y" * (10 + 7 * (i % 9)), 16 + (i % 4) * 8) for i in range(40)]
+    unlimited = await _complete_all(_config(), prompts)
+    config = _config(memory_limit=SMALL_LIMIT, max_blocks=1024)
+    async with open_engine(config) as engine:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(engine.complete(p, max_tokens=m) for p, m in prompts)), 60
+        )
+        assert engine.stats().preemptions > 0
+        assert engine.kv.stats().used_blocks == 0
+        assert engine.kv.stats().mapped_bytes <= SMALL_LIMIT
+    assert [c.text for c in results] == unlimited
+
+
+async def test_streaming_yields_text_piece_by_piece() -> None:
+    async with open_engine(_config()) as engine:
+        pieces = [p async for p in engine.generate("hello", max_tokens=6)]
+    assert len(pieces) == 6
+    assert all(len(p) == 1 for p in pieces)
+
+
+async def test_a_request_that_can_never_fit_fails_with_a_clear_error() -> None:
+    # 16 KiB pages of 8 blocks: 128 KiB over 4 buffers is 2 pages, 16 blocks, 256 tokens; this
+    # request needs 500 tokens, 32 blocks.
+    config = _config(memory_limit=128 << 10, page_size=16 << 10, max_blocks=1024)
+    async with open_engine(config) as engine:
+        with pytest.raises(RequestFailed, match="more KV blocks"):
+            await asyncio.wait_for(engine.complete("z" * 400, max_tokens=100), 10)
+        # A request that fits is still served.
+        assert (await asyncio.wait_for(engine.complete("ok", max_tokens=3), 10)).output_tokens == 3
+
+
+async def test_no_request_waits_past_its_deadline() -> None:
+    async with open_engine(_config(max_batch=1)) as engine:
+        long = asyncio.ensure_future(engine.complete("a", max_tokens=400))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(DeadlineExceeded, match="waiting for admission"):
+            await asyncio.wait_for(engine.complete("b", max_tokens=4, timeout=0.2), 10)
+        assert loop.time() - start < 2.0
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        assert engine.stats().running == 0
+
+
+async def test_bad_input_is_a_value_error_and_queues_nothing() -> None:
+    async with open_engine(_config()) as engine:
+        for prompt, kwargs, match in (
+            ("", {}, "prompt"),
+            ("a", {"max_tokens": 0}, "max_tokens"),
+            ("a" * 500, {"max_tokens": 20}, "max_seq_len"),
+            ("a", {"temperature": -1.0}, "temperature"),
+            ("a", {"timeout": 0}, "timeout"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                await engine.complete(prompt, **kwargs)  # type: ignore[arg-type]
+        assert engine.stats().waiting == 0
+    with pytest.raises(ValueError, match="preset"):
+        _config(preset="huge")
+
+
+async def test_close_fails_unfinished_requests_with_engine_closed() -> None:
+    async with open_engine(_config()) as engine:
+        pending = asyncio.ensure_future(engine.complete("a", max_tokens=400))
+        await wait_until(lambda: engine.stats().running == 1)
+        await engine.close()
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(pending, 5)
+        with pytest.raises(EngineClosed):
+            await engine.complete("b")
+
+
+async def test_a_static_engine_maps_its_whole_budget_up_front_and_keeps_it() -> None:
+    config = _config(static=True, memory_limit=SMALL_LIMIT, max_blocks=1024)
+    async with open_engine(config) as engine:
+        assert engine.kv.stats().mapped_bytes == SMALL_LIMIT
+        await asyncio.wait_for(engine.complete("abc", max_tokens=20), 10)
+        assert engine.kv.stats().mapped_bytes == SMALL_LIMIT
+
+
+async def test_sampling_with_a_seed_is_reproducible() -> None:
+    async with open_engine(_config()) as engine:
+        a = await engine.complete("seed", max_tokens=10, temperature=1.0, seed=5)
+        b = await engine.complete("seed", max_tokens=10, temperature=1.0, seed=5)
+    assert a.text == b.text

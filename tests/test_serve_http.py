@@ -1,0 +1,108 @@
+"""The HTTP server, started for real on a free port, driven by the real ``openai`` client."""
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvasync.serve import EngineConfig
+from kvasync.serve._http import create_app
+
+MODEL = "kvasync-tiny"
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = EngineConfig(preset="tiny", device="cpu", request_timeout=20.0)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive(), "the server thread died at startup"
+        assert time.monotonic() < deadline, "the server did not start within 30 s"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the server did not stop within 15 s"
+    sock.close()
+
+
+def _client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=20, max_retries=0)
+
+
+def test_openai_client_completes(base_url: str) -> None:
+    result = _client(base_url).completions.create(model=MODEL, prompt="Hello", max_tokens=7)
+    assert len(result.choices[0].text) == 7
+    assert result.choices[0].finish_reason == "length"
+    assert result.usage is not None and result.usage.completion_tokens == 7
+    again = _client(base_url).completions.create(model=MODEL, prompt="Hello", max_tokens=7)
+    assert again.choices[0].text == result.choices[0].text  # greedy: deterministic
+
+
+def test_openai_client_streams(base_url: str) -> None:
+    client = _client(base_url)
+    whole = client.completions.create(model=MODEL, prompt="stream me", max_tokens=9)
+    chunks = list(client.completions.create(model=MODEL, prompt="stream me", max_tokens=9, stream=True))
+    assert len(chunks) >= 9
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sse_framing_ends_with_done(base_url: str) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=20) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_bad_request_is_a_400_with_an_openai_error(base_url: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        _client(base_url).completions.create(model=MODEL, prompt="x", max_tokens=0)
+
+
+def test_health_and_metrics(base_url: str) -> None:
+    _client(base_url).completions.create(model=MODEL, prompt="m", max_tokens=2)
+    assert httpx.get(f"{base_url}/health", timeout=10).json()["status"] == "ok"
+    metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    assert "kvasync_generation_tokens_total" in metrics
+    assert "kvasync_kv_mapped_bytes" in metrics
+
+
+def test_python_m_kvasync_serve_starts_and_answers() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # NOTE: a small race with other processes for the port; the test then fails
+    command = [sys.executable, "-m", "kvasync", "serve", "--preset", "tiny", "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
+            assert time.monotonic() < deadline, "kvasync serve did not answer within 60 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)  # not listening yet: poll again (bounded by the deadline)
+        result = _client(f"http://127.0.0.1:{port}").completions.create(
+            model=MODEL, prompt="cli", max_tokens=3
+        )
+        assert len(result.choices[0].text) == 3
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
