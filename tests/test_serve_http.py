@@ -106,3 +106,5 @@ def test_python_m_kvasync_serve_starts_and_answers() -> None:
     finally:
         server.terminate()
         server.wait(timeout=15)
+        if server.stdout is not None:
+            server.stdout.close()
