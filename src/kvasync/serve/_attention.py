@@ -24,7 +24,7 @@ class PagedBatch:
 
     slot_blocks: torch.Tensor  # [T] int64: the block each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] int64: its row in that block
-    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with each row's first block
     query_seqs: torch.Tensor  # [T] int32
     query_positions: torch.Tensor  # [T] int32
     query_ranges: tuple[tuple[int, int], ...]  # per sequence: [start, end) of its queries
@@ -59,6 +59,10 @@ class PagedBatch:
         for s, (ids, start, end) in enumerate(zip(tables, starts, ends, strict=True)):
             assert len(ids) * block_size >= end, "bug: a sequence has too few blocks for its tokens"
             table[s, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            # NOTE: padded with the row's own first block, never block 0: a block the sequence
+            # does not own may be unmapped, and reading it faults (the batched reference path
+            # reads the padding and masks it).
+            table[s, len(ids) :] = ids[0]
             ranges.append((len(positions), len(positions) + end - start))
             for p in range(start, end):
                 blocks.append(ids[p // block_size])
@@ -90,29 +94,47 @@ def write_kv(
 def reference_paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch
 ) -> torch.Tensor:
-    """The torch path: per sequence, read its blocks through the table and attend causally.
+    """The torch path: read each sequence's blocks through the table and attend causally.
+
+    Decoding sequences (one query each) go together in one batched computation; a sequence
+    with several queries (a prefill) goes alone.
 
     Returns:
         ``[T, H, D]`` in ``q``'s dtype.
     """
-    num_heads = q.shape[1]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    single = [s for s, (a, b) in enumerate(batch.query_ranges) if b - a == 1]
+    if single:
+        rows = torch.tensor([batch.query_ranges[s][0] for s in single], device=q.device)
+        out[rows] = _attend(q[rows].unsqueeze(1), k_cache, v_cache, batch, single).squeeze(1)
     for s, (start, end) in enumerate(batch.query_ranges):
-        length = batch.seq_lens[s]
-        ids = batch.block_tables[s, : -(-length // block_size)].long()
-        keys = k_cache[ids].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        values = v_cache[ids].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        queries = q[start:end].float()  # [n, H, D]
-        scores = torch.einsum("nhd,lhd->hnl", queries, keys) * head_dim**-0.5
-        key_pos = torch.arange(length, device=q.device)
-        allowed = key_pos[None, :] <= batch.query_positions[start:end, None].long()
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out[start:end] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values).to(q.dtype)
+        if end - start > 1:
+            out[start:end] = _attend(q[start:end].unsqueeze(0), k_cache, v_cache, batch, [s])[0]
     return out
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, seqs: list[int]
+) -> torch.Tensor:
+    # q: [S, n, H, D], the queries of sequences `seqs` (n each); returns the same shape.
+    num_seqs, n, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    width = max(batch.num_blocks[s] for s in seqs)
+    index = torch.tensor(seqs, device=q.device)
+    ids = batch.block_tables[index, :width].long()  # [S, W]; padding is read, then masked
+    length = width * block_size
+    keys = k_cache[ids].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    values = v_cache[ids].reshape(num_seqs, length, num_kv_heads, head_dim).float()
+    queries = q.float().view(num_seqs, n, num_kv_heads, group, head_dim)
+    scores = torch.einsum("snkgd,slkd->skgnl", queries, keys) * head_dim**-0.5
+    first = torch.tensor([batch.query_ranges[s][0] for s in seqs], device=q.device)
+    positions = batch.query_positions[first[:, None] + torch.arange(n, device=q.device)].long()
+    key_pos = torch.arange(length, device=q.device)
+    allowed = key_pos[None, None, :] <= positions[:, :, None]  # [S, n, L]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    mixed = torch.einsum("skgnl,slkd->snkgd", scores.softmax(-1), values)
+    return mixed.reshape(num_seqs, n, num_heads, head_dim).to(q.dtype)
 
 
 def attend_paged(

@@ -54,7 +54,7 @@ def serve_command(
 
 
 @click.command("demo")
-@click.option("--requests", default=48, show_default=True, type=click.IntRange(1, 10000))
+@click.option("--requests", default=96, show_default=True, type=click.IntRange(1, 10000))
 @click.option("--max-tokens", default=48, show_default=True, type=click.IntRange(1, 256))
 @click.option(
     "--memory-limit-mib",

@@ -28,6 +28,8 @@ __all__ = ["run_demo", "run_demo_command"]
 
 _WORDS = "the a paged cache block page maps memory token engine serves every request".split()
 _DEMO_TIMEOUT_S = 45.0  # every request's deadline; the whole burst ends well before
+_WAVES = 3  # the burst arrives in waves, so memory rises and falls more than once
+_WAVE_GAP_S = 0.8
 
 
 def demo_prompts(count: int, seed: int) -> list[tuple[str, int]]:
@@ -42,11 +44,12 @@ def demo_prompts(count: int, seed: int) -> list[tuple[str, int]]:
 async def run_demo(
     requests: int, max_tokens: int, memory_limit_mib: int, seed: int, console: Console
 ) -> tuple[RunResult, Engine]:
-    """Runs the burst; returns its measurements and the (closed) engine."""
+    """Runs the burst (in waves); returns its measurements and the (closed) engine."""
     config = EngineConfig(
         preset="tiny",
         memory_limit=memory_limit_mib << 20,
         max_blocks=4096,
+        page_size=32 << 10,  # 16 blocks (256 tokens) a page: memory follows the load closely
         request_timeout=_DEMO_TIMEOUT_S,
         name="demo",
     )
@@ -65,7 +68,8 @@ async def run_demo(
         with progress, MemorySampler(lambda: engine.kv.stats().mapped_bytes) as sampler:
             task = progress.add_task("requests", total=len(prompts), status="")
 
-            async def one(prompt: str, n: int) -> None:
+            async def one(index: int, prompt: str, n: int) -> None:
+                await asyncio.sleep(_WAVE_GAP_S * (index * _WAVES // len(prompts)))
                 try:
                     await engine.complete(prompt, max_tokens=n)
                 except RequestFailed:
@@ -78,7 +82,7 @@ async def run_demo(
                     f"{s.preemptions:3d}  KV {s.kv_mapped_bytes / 2**20:5.2f} MiB",
                 )
 
-            await asyncio.gather(*(one(p, n) for p, n in prompts))
+            await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(prompts)))
         duration = time.monotonic() - start
     result = RunResult("kvasync elastic (tiny, CPU)", engine.records(), sampler.samples, start, duration)
     return result, engine
@@ -90,8 +94,8 @@ def run_demo_command(
     """The body of ``kvasync demo`` (see serve/_cli.py)."""
     console = Console()
     console.print(
-        f"kvasync demo: {requests} concurrent requests, tiny model on the CPU, KV memory limit "
-        f"{memory_limit_mib} MiB"
+        f"kvasync demo: {requests} concurrent requests in {_WAVES} waves, tiny model, KV memory "
+        f"limit {memory_limit_mib} MiB"
     )
     try:
         result, engine = asyncio.run(run_demo(requests, max_tokens, memory_limit_mib, seed, console))
@@ -105,6 +109,7 @@ def run_demo_command(
     for key, value in summary.items():
         table.add_row(key, f"{value:.4g}")
     table.add_row("KV memory limit MiB", str(memory_limit_mib))
+    table.add_row("KV MiB held at the end", f"{result.samples[-1][1] / 2**20:.3g}")
     table.add_row("seconds", f"{result.duration:.2f}")
     console.print(table)
     path = plot_runs([result], plot, "kvasync demo: a burst of requests on the tiny model")

@@ -22,6 +22,11 @@ One asyncio task runs the engine, step after step:
    batch), run in a worker thread so the loop keeps serving HTTP. Each request then gets its next
    token.
 
+Blocks under a running step: a request can end while a step that writes into its blocks runs in
+the worker thread (its caller went away, or the engine closes). Its blocks are then freed only
+when the step is done, and close waits for the step before it closes the allocator: freed pages
+may be unmapped at once, and a write into an unmapped page faults.
+
 A request's KV covers ``tokens[:num_computed]``; a step computes ``tokens[num_computed:]`` (the
 prompt, or after a preemption prompt + output, or just the last token) and needs
 ``ceil(len(tokens) / block_size)`` blocks.
@@ -291,6 +296,8 @@ class Engine:
         self._sample_mask = mask.to(model.device)
         # One worker thread runs the steps in order; the loop stays free for HTTP meanwhile.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvasync-step")
+        self._step_future: concurrent.futures.Future[list[int]] | None = None
+        self._deferred_frees: list[int] = []
         self._task = asyncio.ensure_future(self._run())
 
     @classmethod
@@ -416,6 +423,11 @@ class Engine:
         self._closed = True
         self._task.cancel()
         await asyncio.wait([self._task], timeout=timeout)
+        step = self._step_future
+        if step is not None and not step.done():
+            # NOTE: the step's thread still writes into blocks: the pages stay mapped until it
+            # is done (Note [Engine scheduling], "Blocks under a running step").
+            await asyncio.to_thread(concurrent.futures.wait, [step], timeout)
         for request in [*self._running, *self._waiting]:
             self._finish(request, EngineClosed("the engine was closed"))
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -550,7 +562,7 @@ class Engine:
                 self._finish(request, _failure(request, need, error))
                 continue
             if request.done or self._waiting[0] is not request:  # expired or aborted meanwhile
-                self.kv.free(blocks)
+                self._free(blocks)
                 continue
             self._waiting.popleft()
             request.blocks = blocks
@@ -602,12 +614,18 @@ class Engine:
                 if request in self._running:
                     request.blocks.extend(blocks)
                 else:  # preempted or expired while its alloc waited
-                    self.kv.free(blocks)
+                    self._free(blocks)
+
+    def _free(self, blocks: list[int]) -> None:
+        if self._step_future is not None:
+            self._deferred_frees.extend(blocks)  # the running step may still write into them
+        else:
+            self.kv.free(blocks)
 
     def _preempt_youngest(self) -> None:
         victim = max(self._running, key=lambda r: (r.arrival, r.request_id))
         self._running.remove(victim)
-        self.kv.free(victim.blocks)
+        self._free(victim.blocks)
         victim.blocks = []
         victim.num_computed = 0
         victim.preemptions += 1
@@ -623,9 +641,16 @@ class Engine:
         tokens = [r.tokens for r in batch]
         starts = [r.num_computed for r in batch]
         tables = [list(r.blocks) for r in batch]
-        sampled = await self._loop.run_in_executor(
-            self._executor, self._compute, tokens, starts, tables, batch
-        )
+        step = self._executor.submit(self._compute, tokens, starts, tables, batch)
+        self._step_future = step
+        try:
+            sampled = await asyncio.wrap_future(step)
+        finally:
+            if step.done():
+                self._step_future = None
+                deferred, self._deferred_frees = self._deferred_frees, []
+                if deferred:
+                    self.kv.free(deferred)
         self._counts["steps"] += 1
         now = time.monotonic()
         for request, token, seq_tokens in zip(batch, sampled, tokens, strict=True):
@@ -668,7 +693,7 @@ class Engine:
         elif request in self._waiting:
             self._waiting.remove(request)
         if request.blocks:
-            self.kv.free(request.blocks)
+            self._free(request.blocks)
             self._admit_paused = False
         request.blocks = []
         self._counts["failed" if error else "finished"] += 1

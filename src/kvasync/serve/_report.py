@@ -125,11 +125,11 @@ def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> Path:
         times = [t for t, _ in run.samples]
         memory_ax.step(times, [b / MIB for _, b in run.samples], where="post", label=run.name)
         done = [r for r in run.records if r.ttft is not None]
-        arrivals = [r.arrival - run.start for r in done]
-        ttft_ax.plot(arrivals, [1e3 * (r.ttft or 0.0) for r in done], ".", label=run.name)
+        firsts = [(r.first_token or 0.0) - run.start for r in done]
+        ttft_ax.plot(firsts, [1e3 * (r.ttft or 0.0) for r in done], ".", label=run.name)
         timed = [r for r in done if r.tpot is not None]
         tpot_ax.plot(
-            [r.arrival - run.start for r in timed],
+            [r.finish - run.start for r in timed],
             [1e3 * (r.tpot or 0.0) for r in timed],
             ".",
             label=run.name,
@@ -137,7 +137,7 @@ def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> Path:
     memory_ax.set_ylabel("KV memory held (MiB)")
     ttft_ax.set_ylabel("TTFT (ms)")
     tpot_ax.set_ylabel("time per output token (ms)")
-    tpot_ax.set_xlabel("seconds since start (latency plotted at each request's arrival)")
+    tpot_ax.set_xlabel("seconds since start (TTFT at each first token, TPOT at each finish)")
     for ax in (memory_ax, ttft_ax, tpot_ax):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize="small")
