@@ -39,8 +39,11 @@ async def _paged_matches_dense(
     rng = random.Random(7)
     async with kvasync.open_allocator(_layout(config, dtype), kv_config) as kv:
         runner = ModelRunner(model, kv, use_kernel)
-        sequences = [[rng.randrange(256) for _ in range(n)] for n in PROMPT_LENGTHS]
-        final = [len(s) + DECODE_STEPS for s in sequences]
+        # Teacher forcing: the decoded tokens are fixed in advance, so one causal dense pass over
+        # each whole sequence gives the expected logits of every step.
+        final = [n + DECODE_STEPS for n in PROMPT_LENGTHS]
+        sequences = [[rng.randrange(256) for _ in range(n)] for n in final]
+        expected = [model.dense_forward(torch.tensor(seq)) for seq in sequences]
         pool = await kv.alloc(sum(-(-n // config.block_size) for n in final), timeout=5)
         rng.shuffle(pool)
         tables = []
@@ -49,20 +52,22 @@ async def _paged_matches_dense(
             tables.append(pool[:count])
             pool = pool[count:]
         starts = [0] * len(sequences)
+        ends = list(PROMPT_LENGTHS)
         for step in range(DECODE_STEPS + 1):
-            logits = runner.step(sequences, starts, tables)
+            logits = runner.step([seq[:end] for seq, end in zip(sequences, ends)], starts, tables)
             offset = 0
-            for s, seq in enumerate(sequences):
-                computed = len(seq) - starts[s]
-                dense = model.dense_forward(torch.tensor(seq))
-                got = logits[offset : offset + computed]
+            for s in range(len(sequences)):
+                computed = ends[s] - starts[s]
                 torch.testing.assert_close(
-                    got.cpu(), dense[starts[s] :].cpu(), atol=tolerance, rtol=tolerance,
+                    logits[offset : offset + computed].cpu(),
+                    expected[s][starts[s] : ends[s]].cpu(),
+                    atol=tolerance, rtol=tolerance,
                     msg=lambda m, s=s: f"sequence {s}, step {step}: {m}",
                 )  # fmt: skip
                 offset += computed
-                starts[s] = len(seq)
-                seq.append(int(got[-1].argmax()))
+                starts[s] = ends[s]
+                ends[s] += 1
+        assert offset == len(sequences)  # the last step decoded one token per sequence
 
 
 async def test_paged_logits_equal_a_dense_forward_on_the_cpu() -> None:
