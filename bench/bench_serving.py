@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,9 @@ class TraceRequest:
     max_tokens: int
 
 
-def make_trace(workload: Workload, duration: float, seed: int, phase: float = 0.5) -> list[TraceRequest]:
+def make_trace(
+    workload: Workload, duration: float, seed: int, phase: float = 0.5
+) -> list[TraceRequest]:
     """Poisson arrivals (by thinning) whose rate is a bump centred at ``phase`` of the run.
 
     The rate is 10% of the peak away from the bump, so memory demand rises and falls.
@@ -112,10 +116,8 @@ async def replay(
 
             async def one(request: TraceRequest) -> None:
                 await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
-                try:
+                with contextlib.suppress(RequestFailed):  # recorded by the engine
                     await engine.complete(request.prompt, max_tokens=request.max_tokens)
-                except RequestFailed:
-                    pass  # recorded by the engine
 
             await asyncio.wait_for(asyncio.gather(*(one(r) for r in trace)), 600)
         duration = time.monotonic() - start
@@ -129,7 +131,7 @@ def engine_config(args: argparse.Namespace, workload: Workload, **changes: objec
         "preset": args.preset,
         "device": args.device,
         "memory_limit": budget,
-        "max_blocks": 1 << 20 if args.preset == "small" else 1 << 14,
+        "max_blocks": 1 << 17 if args.preset == "small" else 1 << 14,
         "max_batch": workload.max_batch,
         "request_timeout": 120.0,
         "max_batch_tokens": 8192,
@@ -138,16 +140,35 @@ def engine_config(args: argparse.Namespace, workload: Workload, **changes: objec
     return EngineConfig(**fields)  # type: ignore[arg-type]
 
 
-def run_single(args: argparse.Namespace, workload: Workload) -> list[RunResult]:
+def run_single(
+    args: argparse.Namespace, workload: Workload
+) -> tuple[list[RunResult], list[RunResult]]:
+    """(a) and (b) on the same trace, alternating (b a, a b, ...) so that a machine whose speed
+    drifts (a shared CPU) favours neither; each variant's records are pooled over its repeats."""
     trace = make_trace(workload, args.duration, args.seed)
     print(f"trace: {len(trace)} requests over {args.duration} s (seed {args.seed})", flush=True)
-    results = []
-    for name, static in (("(b) static", True), ("(a) elastic", False)):
-        config = engine_config(args, workload, static=static, name=name)
-        result = asyncio.run(replay(name, config, trace))
-        results.append(result)
-        print(f"{name}: {len(result.records)} requests in {result.duration:.1f} s", flush=True)
-    return results
+    variants = [("(b) static", True), ("(a) elastic", False)]
+    runs: dict[str, list[RunResult]] = {name: [] for name, _ in variants}
+    for repeat in range(args.repeats):
+        for name, static in variants if repeat % 2 == 0 else variants[::-1]:
+            config = engine_config(args, workload, static=static, name=name)
+            result = asyncio.run(replay(name, config, trace))
+            runs[name].append(result)
+            print(f"{name} #{repeat}: {len(result.records)} requests in {result.duration:.1f} s")
+    pooled, firsts = [], []
+    for name, results in runs.items():
+        firsts.append(results[0])
+        first = results[0]
+        pooled.append(
+            RunResult(
+                name,
+                [r for result in results for r in result.records],
+                first.samples,  # memory is plotted and averaged from the first repeat
+                first.start,
+                sum(r.duration for r in results),
+            )
+        )
+    return pooled, firsts
 
 
 # -- (c) co-location: two processes ----------------------------------------------------------
@@ -178,8 +199,10 @@ def run_worker(spec_path: str) -> None:
     Path(spec["out"]).write_text(json.dumps(out))
 
 
-def run_pair(args: argparse.Namespace, label: str, changes: list[dict[str, object]]) -> list[RunResult]:
-    out_dir = Path(args.out)
+def run_pair(
+    args: argparse.Namespace, label: str, changes: list[dict[str, object]]
+) -> list[RunResult]:
+    out_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))  # the workers' specs and records
     start_at = time.time() + 15.0  # both processes import torch and open their engine first
     workers = []
     for index, (engine_changes, phase) in enumerate(zip(changes, (0.3, 0.7), strict=True)):
@@ -195,7 +218,9 @@ def run_pair(args: argparse.Namespace, label: str, changes: list[dict[str, objec
         }
         spec_path = out_dir / f"worker_{label.replace(' ', '_')}_{index}.spec.json"
         spec_path.write_text(json.dumps(spec))
-        workers.append((subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)]), spec))
+        workers.append(
+            (subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)]), spec)
+        )
     results = []
     for process, spec in workers:
         if process.wait(timeout=args.duration + 300) != 0:
@@ -223,13 +248,18 @@ def run_colocated(args: argparse.Namespace, workload: Workload) -> list[RunResul
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="tiny", choices=sorted(WORKLOADS))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
-    parser.add_argument("--kv-mib", type=int, default=None, help="KV budget (per engine, or shared)")
+    parser.add_argument(
+        "--kv-mib", type=int, default=None, help="KV budget (per engine, or shared)"
+    )
     parser.add_argument("--peak-rate", type=float, default=None, help="requests/s at the crest")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of (a) and (b), alternating")
     parser.add_argument("--out", default="bench/serving")
     parser.add_argument("--skip-colocated", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -244,23 +274,29 @@ def main() -> None:
     args.peak_rate = workload.peak_rate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    single = run_single(args, workload)
-    rows = {r.name: summarize(r, workload.slo_ttft_s) for r in single}
-    plot = plot_runs(single, out / f"serving_{args.preset}.png", f"one engine, {args.preset}")
+    pooled, firsts = run_single(args, workload)
+    rows = {r.name: summarize(r, workload.slo_ttft_s) for r in pooled}
+    title = f"one engine, {args.preset}, the same trace (first repeat of each)"
+    plot = plot_runs(firsts, out / f"serving_{args.preset}.png", title)
     print(f"\nplot: {plot}")
     colocated = None if args.skip_colocated else run_colocated(args, workload)
     if colocated:
         for r in colocated:
             rows[r.name] = summarize(r, workload.slo_ttft_s)
-        plot = plot_runs(colocated, out / f"colocated_{args.preset}.png", f"two engines, {args.preset}")
+        plot = plot_runs(
+            colocated, out / f"colocated_{args.preset}.png", f"two engines, {args.preset}"
+        )
         print(f"plot: {plot}")
         for label in ("(c) shared", "(c) static half"):
             pair = [r for r in colocated if r.name.startswith(label)]
             total = sum(int(rows[r.name]["within SLO"]) for r in pair)
-            print(f"{label}: {total} requests served within the SLO (TTFT <= {workload.slo_ttft_s} s)")
+            print(
+                f"{label}: {total} requests served within the SLO (TTFT <= {workload.slo_ttft_s} s)"
+            )
     header = (
         f"preset {args.preset}, device {args.device}, {args.duration} s of arrivals, peak "
-        f"{workload.peak_rate} req/s, KV budget {args.kv_mib} MiB, SLO TTFT <= {workload.slo_ttft_s} s"
+        f"{workload.peak_rate} req/s, KV budget {args.kv_mib} MiB, "
+        f"SLO TTFT <= {workload.slo_ttft_s} s"
     )
     table = markdown_table(rows)
     print(f"\n{header}\n\n{table}")

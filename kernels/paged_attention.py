@@ -79,7 +79,7 @@ def _paged_attention_kernel(
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
-    if INTERPRET:
+    if INTERPRET:  # noqa: SIM108 (a constexpr branch reads more plainly in a kernel)
         num_blocks = MAX_BLOCKS
     else:
         num_blocks = pos // BLOCK_SIZE + 1
@@ -88,8 +88,12 @@ def _paged_attention_kernel(
         live = key_pos <= pos
         block_mask = b * BLOCK_SIZE <= pos
         block = tl.load(table_ptr + seq * stride_table + b, mask=block_mask, other=0).to(tl.int64)
-        k_off = block * stride_kb + tokens[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
-        v_off = block * stride_vb + tokens[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
+        k_off = (
+            block * stride_kb + tokens[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
+        )
+        v_off = (
+            block * stride_vb + tokens[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
+        )
         k = tl.load(k_ptr + k_off, mask=live[:, None], other=0.0).to(tl.float32)
         scores = tl.sum(k * q[None, :], axis=1)
         scores = tl.where(live, scores, float("-inf"))

@@ -58,7 +58,16 @@ async def test_demo_preempts_requests_whose_allocs_time_out() -> None:
 
 
 def test_python_m_kvasync_simulate_exits_zero() -> None:
-    command = [sys.executable, "-m", "kvasync", "simulate", "--requests", "20", "--concurrency", "10"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvasync",
+        "simulate",
+        "--requests",
+        "20",
+        "--concurrency",
+        "10",
+    ]
     command += ["--memory-limit-mib", "8", "--seconds", "10", "--token-time-ms", "0.5"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

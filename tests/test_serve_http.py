@@ -55,7 +55,9 @@ def test_openai_client_completes(base_url: str) -> None:
 def test_openai_client_streams(base_url: str) -> None:
     client = _client(base_url)
     whole = client.completions.create(model=MODEL, prompt="stream me", max_tokens=9)
-    chunks = list(client.completions.create(model=MODEL, prompt="stream me", max_tokens=9, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="stream me", max_tokens=9, stream=True)
+    )
     assert len(chunks) >= 9
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"

@@ -54,7 +54,9 @@ async def _paged_matches_dense(
         starts = [0] * len(sequences)
         ends = list(PROMPT_LENGTHS)
         for step in range(DECODE_STEPS + 1):
-            logits = runner.step([seq[:end] for seq, end in zip(sequences, ends)], starts, tables)
+            logits = runner.step(
+                [seq[:end] for seq, end in zip(sequences, ends, strict=True)], starts, tables
+            )
             offset = 0
             for s in range(len(sequences)):
                 computed = ends[s] - starts[s]
@@ -62,7 +64,7 @@ async def _paged_matches_dense(
                     logits[offset : offset + computed].cpu(),
                     expected[s][starts[s] : ends[s]].cpu(),
                     atol=tolerance, rtol=tolerance,
-                    msg=lambda m, s=s: f"sequence {s}, step {step}: {m}",
+                    msg=lambda m, s=s, step=step: f"sequence {s}, step {step}: {m}",
                 )  # fmt: skip
                 offset += computed
                 starts[s] = ends[s]

@@ -84,7 +84,11 @@ class PagedBatch:
 
 
 def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, k: torch.Tensor, v: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    k: torch.Tensor,
+    v: torch.Tensor,
 ) -> None:
     """Writes the batch's new ``k``, ``v`` (``[T, KVH, D]``) into their blocks' slots."""
     k_cache[batch.slot_blocks, batch.slot_offsets] = k.to(k_cache.dtype)
@@ -114,7 +118,11 @@ def reference_paged_attention(
 
 
 def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch, seqs: list[int]
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    seqs: list[int],
 ) -> torch.Tensor:
     # q: [S, n, H, D], the queries of sequences `seqs` (n each); returns the same shape.
     num_seqs, n, num_heads, head_dim = q.shape

@@ -19,11 +19,15 @@ __all__ = ["demo_command", "serve_command"]
 @click.option("--preset", default="tiny", show_default=True, help="model: tiny (CPU) or small.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option(
+    "--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])
+)
 @click.option("--max-blocks", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--memory-limit-mib", default=None, type=click.IntRange(1), help="KV memory cap.")
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(1))
-@click.option("--request-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.001))
+@click.option(
+    "--request-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.001)
+)
 def serve_command(
     preset: str,
     host: str,

@@ -37,11 +37,12 @@ from __future__ import annotations
 import asyncio
 import codecs
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -345,7 +346,7 @@ class Engine:
         temperature: float = 0.0,
         seed: int | None = None,
         timeout: float | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Submits a request and yields its output text as it is produced.
 
         Closing the iterator early (or cancelling the consumer) aborts the request.
@@ -441,7 +442,7 @@ class Engine:
 
     # -- the loop (Note [Engine scheduling]) ------------------------------------------------
 
-    async def _stream(self, request: _Request) -> AsyncIterator[str]:
+    async def _stream(self, request: _Request) -> AsyncGenerator[str, None]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             while True:
@@ -461,7 +462,12 @@ class Engine:
             self._finish(request, EngineClosed("the request was abandoned by its caller"))
 
     def _submit(
-        self, prompt: str, max_tokens: int, temperature: float, seed: int | None, timeout: float | None
+        self,
+        prompt: str,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None,
+        timeout: float | None,
     ) -> _Request:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"prompt must be a non-empty str, got {prompt!r:.40}")
@@ -505,10 +511,8 @@ class Engine:
             await self._admit()
             if not self._running:
                 self._wake.clear()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):  # a bounded sleep, then expire
                     await asyncio.wait_for(self._wake.wait(), _IDLE_WAIT_S)
-                except TimeoutError:
-                    pass
                 continue
             await self._grow()
             if self._running:
@@ -535,9 +539,7 @@ class Engine:
             len(r.tokens) - r.num_computed for r in self._running
         )
         while (
-            self._waiting
-            and not self._admit_paused
-            and len(self._running) < self.config.max_batch
+            self._waiting and not self._admit_paused and len(self._running) < self.config.max_batch
         ):
             request = self._waiting[0]
             new_tokens = len(request.tokens) - request.num_computed
@@ -698,17 +700,18 @@ class Engine:
         request.blocks = []
         self._counts["failed" if error else "finished"] += 1
         request.record = RequestRecord(
-                request_id=request.request_id,
-                arrival=request.arrival,
-                first_token=request.first_token,
-                finish=time.monotonic(),
-                prompt_tokens=len(request.prompt),
-                output_tokens=len(request.output),
-                preemptions=request.preemptions,
-                error=None if error is None else f"{type(error).__name__}: {error}",
+            request_id=request.request_id,
+            arrival=request.arrival,
+            first_token=request.first_token,
+            finish=time.monotonic(),
+            prompt_tokens=len(request.prompt),
+            output_tokens=len(request.output),
+            preemptions=request.preemptions,
+            error=None if error is None else f"{type(error).__name__}: {error}",
         )
         self._records.append(request.record)
         request.events.put_nowait(error)
+
 
 def _failure(request: _Request, need: int, error: KVAsyncError) -> RequestFailed:
     if isinstance(error, OutOfBlocks):

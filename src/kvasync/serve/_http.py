@@ -90,7 +90,7 @@ def create_app(config: EngineConfig) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine = await Engine.open(config)
         registry = CollectorRegistry()
-        registry.register(_EngineCollector(engine))  # type: ignore[arg-type]
+        registry.register(_EngineCollector(engine))
         state.update(engine=engine, registry=registry)
         try:
             yield
@@ -122,17 +122,17 @@ def create_app(config: EngineConfig) -> FastAPI:
             if len(prompt) != 1:
                 return _error(400, "prompt must be one string", "invalid_request_error", "prompt")
             prompt = prompt[0]
-        arguments = {
-            "max_tokens": body.max_tokens,
-            "temperature": body.temperature,
-            "seed": body.seed,
-            "timeout": body.timeout,
-        }
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         base = {"id": completion_id, "object": "text_completion", "created": created}
         base["model"] = model_name
-        stream = engine.generate(prompt, **arguments)
+        stream = engine.generate(
+            prompt,
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            seed=body.seed,
+            timeout=body.timeout,
+        )
         try:
             first = await anext(stream)  # bad input and early failures answer with a status
         except StopAsyncIteration:

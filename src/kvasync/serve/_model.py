@@ -89,14 +89,26 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Runs on a CPU in milliseconds a step: CI, `make demo`.
     "tiny": ModelConfig(
-        "tiny", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_dim=128,
+        "tiny",
+        num_layers=2,
+        d_model=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
         max_seq_len=512,
-    ),  # fmt: skip
+    ),
     # About 100M parameters (12 x 8.7M + embeddings), for a GPU.
     "small": ModelConfig(
-        "small", num_layers=12, d_model=768, num_heads=12, num_kv_heads=4, head_dim=64,
-        ffn_dim=3072, max_seq_len=4096,
-    ),  # fmt: skip
+        "small",
+        num_layers=12,
+        d_model=768,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        ffn_dim=3072,
+        max_seq_len=4096,
+    ),
 }
 
 
@@ -126,7 +138,10 @@ class Transformer:
     """
 
     def __init__(
-        self, config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -163,7 +178,9 @@ class Transformer:
         self._sin = angles.sin().float().to(self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
         """Logits of a batch of new tokens.
 
         Args:

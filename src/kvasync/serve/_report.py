@@ -74,7 +74,11 @@ def summarize(run: RunResult, slo_ttft: float | None = None) -> dict[str, float]
     memory = [b for _, b in run.samples] or [0]
     times = [t for t, _ in run.samples] or [0.0]
     # Memory held over time: the time-weighted mean of the samples.
-    mean_memory = float(np.trapezoid(memory, times) / (times[-1] - times[0])) if len(times) > 1 else float(memory[0])
+    mean_memory = (
+        float(np.trapezoid(memory, times) / (times[-1] - times[0]))
+        if len(times) > 1
+        else float(memory[0])
+    )
     summary = {
         "requests done": float(len(done)),
         "requests failed": float(len(run.records) - len(done)),
