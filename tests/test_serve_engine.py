@@ -131,3 +131,14 @@ async def test_sampling_with_a_seed_is_reproducible() -> None:
         a = await engine.complete("seed", max_tokens=10, temperature=1.0, seed=5)
         b = await engine.complete("seed", max_tokens=10, temperature=1.0, seed=5)
     assert a.text == b.text
+
+
+async def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_blocks() -> None:
+    async with open_engine(_config()) as engine:
+        stream = engine.generate("abandon me", max_tokens=400)
+        await asyncio.wait_for(anext(stream), 10)
+        assert engine.kv.stats().used_blocks > 0
+        await stream.aclose()
+        await wait_until(lambda: engine.kv.stats().used_blocks == 0)
+        assert engine.stats().failed == 1
+        assert "abandoned" in (engine.records()[-1].error or "")

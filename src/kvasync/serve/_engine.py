@@ -282,6 +282,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, kv, use_kernel)
         self._block_size = model.config.block_size
+        self._blocks_per_page = kv.layout.blocks_per_page(kv.config.page_size)
         self._loop = asyncio.get_running_loop()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -560,10 +561,10 @@ class Engine:
                     self._admit_paused = True
                 return  # alone: _expire fails it at its deadline
             except KVAsyncError as error:  # OutOfBlocks, MapError, AllocatorClosed
-                self._waiting.popleft()
                 self._finish(request, _failure(request, need, error))
                 continue
-            if request.done or self._waiting[0] is not request:  # expired or aborted meanwhile
+            if request.done or not self._waiting or self._waiting[0] is not request:
+                # Aborted by its caller (or the engine closed) while the alloc waited.
                 self._free(blocks)
                 continue
             self._waiting.popleft()
@@ -574,15 +575,8 @@ class Engine:
     def _fits(self, need: int) -> bool:
         """Whether ``need`` blocks are free or could be mapped under the memory limit now."""
         s = self.kv.stats()
-        bpp = self.kv.num_blocks // max(1, self._num_pages)
-        mappable = max(0, s.memory_limit_pages - s.mapped_pages - s.mapping_pages) * bpp
-        return s.free_blocks + mappable >= need
-
-    @property
-    def _num_pages(self) -> int:
-        layout = self.kv.layout
-        per_page = layout.blocks_per_page(self.kv.config.page_size)
-        return -(-self.kv.num_blocks // per_page)
+        mappable = max(0, s.memory_limit_pages - s.mapped_pages - s.mapping_pages)
+        return s.free_blocks + mappable * self._blocks_per_page >= need
 
     async def _grow(self) -> None:
         for request in list(self._running):  # oldest first: the youngest are preempted first
