@@ -146,6 +146,8 @@ def create_app(config: EngineConfig) -> FastAPI:
             except RequestFailed as error:
                 status, kind = _status_of(error)
                 return _error(status, str(error), kind)
+            finally:
+                await stream.aclose()
             prompt_tokens = len(prompt.encode())
             output_tokens = body.max_tokens
             choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": "length"}
