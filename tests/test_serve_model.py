@@ -39,7 +39,9 @@ async def _paged_matches_dense(
 ) -> None:
     config = preset("tiny")
     model = Transformer(config, device, dtype)
-    kv_config = kvasync.Config(backend=backend, max_blocks=256, page_size=64 << 10)
+    # cuda maps in multiples of the driver's 2 MiB granularity; host in any multiple of 4 KiB.
+    page_size = (2 << 20) if backend == "cuda" else (64 << 10)
+    kv_config = kvasync.Config(backend=backend, max_blocks=1024, page_size=page_size)
     rng = random.Random(7)
     async with kvasync.open_allocator(_layout(config, dtype), kv_config) as kv:
         runner = ModelRunner(model, kv, use_kernel)

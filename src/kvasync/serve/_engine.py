@@ -613,6 +613,8 @@ class Engine:
                     self._free(blocks)
 
     def _free(self, blocks: list[int]) -> None:
+        # NOTE: no free(after=stream) on cuda: a step ends by copying its sampled tokens to the
+        # host, so the device work that used the blocks is complete when the step is.
         if self._step_future is not None:
             self._deferred_frees.extend(blocks)  # the running step may still write into them
         else:
@@ -731,7 +733,7 @@ def _kv_config(config: EngineConfig, layout: KVLayout, device: torch.device) -> 
         page_size=page_size,
         reserve_pages=config.reserve_pages,
         default_timeout=max(5.0, config.alloc_timeout),
-        device=device.index or 0 if device.type == "cuda" else 0,
+        device=(device.index or 0) if device.type == "cuda" else 0,
         **extra,
     )
     if config.static:
