@@ -13,6 +13,7 @@ import contextlib
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -50,10 +51,15 @@ async def run_demo(
         preset="tiny",
         memory_limit=memory_limit_mib << 20,
         max_blocks=4096,
-        page_size=32 << 10,  # 16 blocks (256 tokens) a page: memory follows the load closely
         request_timeout=_DEMO_TIMEOUT_S,
         name="demo",
     )
+    if config.resolved_device().type == "cpu":
+        # 16 blocks (256 tokens) a page: memory follows the load closely.
+        config = replace(config, page_size=32 << 10)
+    else:
+        # cuda maps 2 MiB per buffer at least: one page id of the tiny model is 8 MiB.
+        config = replace(config, memory_limit=max(config.memory_limit or 0, 8 << 20))
     prompts = [(p, min(n, max_tokens)) for p, n in demo_prompts(requests, seed)]
     engine = await Engine.open(config)
     async with engine:
@@ -84,7 +90,8 @@ async def run_demo(
             await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(prompts)))
         duration = time.monotonic() - start
     name = f"kvasync elastic (tiny, {engine.model.device.type})"
-    return RunResult(name, engine.records(), sampler.samples, start, duration)
+    limit = {"KV memory limit MiB": (config.memory_limit or 0) / 2**20}
+    return RunResult(name, engine.records(), sampler.samples, start, duration, limit)
 
 
 def run_demo_command(
@@ -107,7 +114,6 @@ def run_demo_command(
     table.add_column("value", justify="right")
     for key, value in summary.items():
         table.add_row(key, f"{value:.4g}")
-    table.add_row("KV memory limit MiB", str(memory_limit_mib))
     table.add_row("KV MiB held at the end", f"{result.samples[-1][1] / 2**20:.3g}")
     table.add_row("seconds", f"{result.duration:.2f}")
     console.print(table)
