@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 from conftest import wait_until
 
 from kvasync.serve import (
@@ -142,3 +143,12 @@ async def test_a_caller_that_stops_reading_aborts_its_request_and_frees_its_bloc
         await wait_until(lambda: engine.kv.stats().used_blocks == 0)
         assert engine.stats().failed == 1
         assert "abandoned" in (engine.records()[-1].error or "")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without a GPU")
+async def test_the_triton_kernel_path_serves_what_the_torch_path_serves() -> None:
+    # The engine's GPU path (attention through kvasync.kernels.paged_attention), run by Triton's
+    # interpreter on CPU tensors: a tiny case, the interpreter costs ~1 ms per program.
+    prompts = [("kernel", 2), ("paged blocks", 2)]
+    expected = await _complete_all(_config(attention="torch"), prompts)
+    assert await _complete_all(_config(attention="triton"), prompts) == expected
