@@ -71,6 +71,7 @@ __all__ = [
 # the correctness test) cover all 256 byte values.
 _SAMPLEABLE = [10, *range(32, 127)]
 _IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between deadline checks
+_STREAM_GRACE_S = 5.0  # past its deadline, a reader stops waiting for the loop to fail it
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,8 @@ class Engine:
         self._closed = True
         self._task.cancel()
         await asyncio.wait([self._task], timeout=timeout)
+        if self._task.done() and not self._task.cancelled():
+            self._task.exception()  # retrieved: its requests already failed with it
         step = self._step_future
         if step is not None and not step.done():
             # NOTE: the step's thread still writes into blocks: the pages stay mapped until it
@@ -447,7 +450,15 @@ class Engine:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             while True:
-                event = await request.events.get()
+                # The engine's loop fails a request at its deadline; this bound holds even if
+                # the loop is gone.
+                remaining = request.deadline - self._loop.time() + _STREAM_GRACE_S
+                try:
+                    event = await asyncio.wait_for(request.events.get(), max(0.0, remaining))
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(
+                        f"request {request.request_id} got no output by its deadline"
+                    ) from None
                 if event is None:
                     tail = decoder.decode(b"", final=True)
                     if tail:
@@ -507,6 +518,16 @@ class Engine:
         return request
 
     async def _run(self) -> None:
+        try:
+            await self._serve()
+        except Exception as error:
+            # A bug or a device error: every request ends with it rather than waiting.
+            self._closed = True
+            for request in [*self._running, *self._waiting]:
+                self._finish(request, RequestFailed(f"the engine stopped: {error!r}"))
+            raise
+
+    async def _serve(self) -> None:
         while True:
             self._expire()
             await self._admit()
