@@ -152,3 +152,18 @@ async def test_the_triton_kernel_path_serves_what_the_torch_path_serves() -> Non
     prompts = [("kernel", 2), ("paged blocks", 2)]
     expected = await _complete_all(_config(attention="torch"), prompts)
     assert await _complete_all(_config(attention="triton"), prompts) == expected
+
+
+async def test_a_step_that_raises_fails_every_request_with_the_reason() -> None:
+    async with open_engine(_config()) as engine:
+
+        def lost(*args: object) -> None:
+            raise RuntimeError("device lost")  # as a failing kernel launch would
+
+        engine.runner.step = lost  # type: ignore[assignment,method-assign]
+        requests = [engine.complete(p, max_tokens=3) for p in ("a", "b")]
+        results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 10)
+        assert all(isinstance(r, RequestFailed) and "device lost" in str(r) for r in results)
+        assert "device lost" in repr(engine.error)
+        with pytest.raises(EngineClosed):
+            await engine.complete("c")

@@ -291,6 +291,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._admit_paused = False  # an admission alloc timed out: wait for blocks to be freed
         self._closed = False
+        self.error: Exception | None = None  # what stopped the engine's loop, if anything
         self._records: list[RequestRecord] = []
         self._counts = {"finished": 0, "failed": 0, "preemptions": 0, "steps": 0}
         self._token_counts = {"prompt": 0, "output": 0}
@@ -426,8 +427,6 @@ class Engine:
         self._closed = True
         self._task.cancel()
         await asyncio.wait([self._task], timeout=timeout)
-        if self._task.done() and not self._task.cancelled():
-            self._task.exception()  # retrieved: its requests already failed with it
         step = self._step_future
         if step is not None and not step.done():
             # NOTE: the step's thread still writes into blocks: the pages stay mapped until it
@@ -521,11 +520,12 @@ class Engine:
         try:
             await self._serve()
         except Exception as error:
-            # A bug or a device error: every request ends with it rather than waiting.
+            # A bug or a device error: every request ends with it rather than waiting, and the
+            # engine stops taking requests (``error`` says why; /health reports it).
             self._closed = True
             for request in [*self._running, *self._waiting]:
                 self._finish(request, RequestFailed(f"the engine stopped: {error!r}"))
-            raise
+            self.error = error
 
     async def _serve(self) -> None:
         while True:

@@ -101,8 +101,11 @@ def create_app(config: EngineConfig) -> FastAPI:
     model_name = f"kvasync-{config.preset}"
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        s = state["engine"].stats()
+    async def health() -> Any:
+        engine: Engine = state["engine"]
+        if engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
+        s = engine.stats()
         return {"status": "ok", "running": s.running, "waiting": s.waiting}
 
     @app.get("/metrics")
