@@ -261,7 +261,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs of (a) and (b), alternating")
     parser.add_argument("--out", default="bench/serving")
-    parser.add_argument("--skip-colocated", action="store_true")
+    parser.add_argument("--skip-colocated", action="store_true", help="only (a) and (b)")
+    parser.add_argument("--colocated-only", action="store_true", help="only (c)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -274,11 +275,13 @@ def main() -> None:
     args.peak_rate = workload.peak_rate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pooled, firsts = run_single(args, workload)
-    rows = {r.name: summarize(r, workload.slo_ttft_s) for r in pooled}
-    title = f"one engine, {args.preset}, the same trace (first repeat of each)"
-    plot = plot_runs(firsts, out / f"serving_{args.preset}.png", title)
-    print(f"\nplot: {plot}")
+    rows: dict[str, dict[str, float]] = {}
+    if not args.colocated_only:
+        pooled, firsts = run_single(args, workload)
+        rows.update({r.name: summarize(r, workload.slo_ttft_s) for r in pooled})
+        title = f"one engine, {args.preset}, the same trace (first repeat of each)"
+        plot = plot_runs(firsts, out / f"serving_{args.preset}.png", title)
+        print(f"\nplot: {plot}")
     colocated = None if args.skip_colocated else run_colocated(args, workload)
     if colocated:
         for r in colocated:
@@ -298,9 +301,12 @@ def main() -> None:
         f"{workload.peak_rate} req/s, KV budget {args.kv_mib} MiB, "
         f"SLO TTFT <= {workload.slo_ttft_s} s"
     )
+    if not rows:
+        return
     table = markdown_table(rows)
     print(f"\n{header}\n\n{table}")
-    (out / f"results_{args.preset}.md").write_text(f"{header}\n\n{table}\n")
+    part = "_colocated" if args.colocated_only else ""
+    (out / f"results_{args.preset}{part}.md").write_text(f"{header}\n\n{table}\n")
 
 
 if __name__ == "__main__":
