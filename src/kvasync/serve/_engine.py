@@ -576,11 +576,11 @@ class Engine:
                 if self._running:
                     blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
                 else:
-                    blocks = await self.kv.alloc(need, deadline=request.deadline)
+                    blocks = await self.kv.alloc(need, deadline=self._next_deadline(request))
             except AllocTimeout:
                 if self._running:
                     self._admit_paused = True
-                return  # alone: _expire fails it at its deadline
+                return  # alone: _expire fails whoever's deadline passed, then it retries
             except KVAsyncError as error:  # OutOfBlocks, MapError, AllocatorClosed
                 self._finish(request, _failure(request, need, error))
                 continue
@@ -592,6 +592,11 @@ class Engine:
             request.blocks = blocks
             self._running.append(request)
             budget -= new_tokens
+
+    def _next_deadline(self, request: _Request) -> float:
+        """The earliest deadline of ``request`` and the waiting requests: a wait of the loop
+        ends by then, so that _expire fails each request on time."""
+        return min([request.deadline, *(r.deadline for r in self._waiting)])
 
     def _fits(self, need: int) -> bool:
         """Whether ``need`` blocks are free or could be mapped under the memory limit now."""
@@ -608,7 +613,7 @@ class Engine:
                 alone = len(self._running) == 1
                 try:
                     if alone:
-                        blocks = await self.kv.alloc(need, deadline=request.deadline)
+                        blocks = await self.kv.alloc(need, deadline=self._next_deadline(request))
                     elif self._fits(need):
                         blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
                     else:
