@@ -149,7 +149,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<FaultState, std::shared_ptr<FaultState>>(m, "FaultState")
       .def(py::init<>())
-      .def("delay", [](FaultState& f, double s) { f.delay_ns = static_cast<int64_t>(s * 1e9); },
+      .def("delay", [](FaultState& f, double s) { f.set_delay(s); },
            py::arg("seconds"))
       .def("hang", [](FaultState& f) { f.hang = true; })
       .def("fail", [](FaultState& f, int64_t count) { f.fail_count = count; }, py::arg("count"))
@@ -168,7 +168,10 @@ PYBIND11_MODULE(_core, m) {
           // as long as any view of it does.
           auto* keep = new std::shared_ptr<Backend>(backend);
           py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<Backend>*>(p); });
-          const py::ssize_t bytes = backend->num_pages() * backend->page_size();
+          int64_t bytes = 0;  // checked: a signed overflow is undefined
+          if (__builtin_mul_overflow(backend->num_pages(), backend->page_size(), &bytes)) {
+            throw py::value_error("range_view: the range's size overflows 64 bits");
+          }
           auto* data = reinterpret_cast<uint8_t*>(backend->range_base(range));
           return py::array_t<uint8_t>({bytes}, {1}, data, owner);
         },

@@ -40,6 +40,23 @@
 // earliest first. A job whose deadline has passed is dropped before it reaches the backend and its
 // pages go back to their previous state. Nothing here waits: the pool's mutex is held for
 // bookkeeping only, never across a backend call, and there is no condition variable.
+//
+// Note [Trim]
+// ~~~~~~~~~~~
+// trim() promises: once its barrier completes, no page is mapped-free unless a request mapped it
+// since (or a waiter counts on it). So it cannot look at the reserve alone: a map already queued
+// or running when trim() is called (the refill started at open, a map for a waiter that a free
+// served first) lands in the reserve afterwards. Every job gets a sequence number when queued; a
+// trim records the next one and unmaps the reserve at once and again each time a map queued
+// before it lands; it completes when none is left in flight and its unmaps are done (so a
+// bounded number of sweeps, even while frees go on). A refill not yet started is dropped at
+// once, and the reserve stays empty (no refill is planned) until the next alloc: demand again.
+//
+// Note [Fences outside the lock]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Releasing a fence is a driver call (cuEventDestroy on cuda), so it never happens under mutex_:
+// the code holding the lock only collects fences no page holds any more (unused_fences_), and
+// FenceReleasingLock releases them after unlocking, on every exit path, exceptions included.
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
@@ -50,6 +67,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -81,6 +99,7 @@ struct Job {
   std::vector<int64_t> pages;  // ascending
   Clock::time_point deadline;
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
+  int64_t seq = 0;                // queue order (Note [Trim]); set by push_job
 };
 
 // One job holding the pages of `jobs` (map jobs, run as one batch).
@@ -132,7 +151,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // earliest job, plus every other queued map when it maps); empty when there is none.
   static constexpr int64_t kMaxBatchPages = 512;
   std::vector<Job> next_batch();
-  // `still_mapped`: pages of an unmap job whose runs failed (ascending); empty otherwise.
+  // `still_mapped`: pages the job leaves mapped though it failed (ascending): the failed runs of
+  // an unmap, or the runs of a failed map whose rollback unmap failed too. Empty otherwise.
   void finish_job(const Job& job, const BackendResult& result,
                   const std::vector<int64_t>& still_mapped);
   Backend& mutable_backend() { return *backend_; }
@@ -153,7 +173,23 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     Clock::time_point deadline;
   };
 
+  struct PendingTrim {  // Note [Trim]
+    int64_t id;
+    int64_t before_seq;  // waits for the maps queued before this
+    Clock::time_point deadline;
+    int64_t unmap_jobs;  // its unmap jobs still queued or running
+    bool swept;          // the maps it waited for have landed and their pages were unmapped
+  };
+  class FenceReleasingLock;  // Note [Fences outside the lock]
+
+  // Fails before any allocation when the bookkeeping of `config` would cost too much memory.
+  static void check_capacity(const PoolConfig& config);
+
   // All of these run with mutex_ held.
+  bool trim_done(PendingTrim& trim);
+  void settle_trims();
+  bool finish_trim_unmap(int64_t request_id, const BackendResult& result);
+  void map_left_flight(const Job& job);
   int64_t headroom_pages() const;
   int64_t available_to_newcomer() const;
   std::vector<int64_t> take_blocks(int64_t n);
@@ -201,6 +237,11 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
   Clock::time_point current_job_start_;
+  std::vector<uintptr_t> unused_fences_;  // Note [Fences outside the lock]
+  std::vector<PendingTrim> trims_;        // Note [Trim]
+  std::multiset<int64_t> maps_in_flight_;  // seq of every queued or running map job
+  int64_t next_job_seq_ = 1;
+  bool refill_paused_ = false;  // by a trim, until the next alloc
 };
 
 }  // namespace kvasync
