@@ -33,7 +33,7 @@ test: install sanitize
 # The C++ harness (tests/cpp/pool_stress.cpp: the pool and the mapper driven from several threads
 # with faults and a racing close) under ThreadSanitizer, then AddressSanitizer + UBSan: any report
 # or broken invariant fails. STRESS_SECONDS of run per sanitizer; the seed is printed.
-STRESS_SECONDS ?= 20
+STRESS_SECONDS ?= 15
 STRESS_SEED ?= $(shell date +%s)
 sanitize:
 	cmake -S tests/cpp -B build/tsan -DKVASYNC_SANITIZE=thread >/dev/null

@@ -279,15 +279,19 @@ class Round {
     const auto end = Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds_));
     const double close_at = (rng_() % 3 == 0) ? -1.0 : seconds_ * (0.2 + (rng_() % 70) / 100.0);
     const double close_timeout = (rng_() % 30) / 100.0;
+    const bool stuck = rng_() % 3 == 0;  // rng_ is shared once the threads run: draw first
     std::vector<std::thread> threads;
     for (int w = 0; w < 3; ++w) threads.emplace_back([this, w] { worker(rng_seed(w)); });
     threads.emplace_back([this] { drainer(); });
     threads.emplace_back([this] { timer(); });
     threads.emplace_back([this] { chaos(rng_seed(10)); });
     if (close_at >= 0) {
-      threads.emplace_back([this, close_at, close_timeout] {
+      threads.emplace_back([this, close_at, close_timeout, stuck] {
         std::this_thread::sleep_for(Seconds(close_at));
-        close_pool(close_timeout);
+        // Now and then with the mapper stuck in a map: close must abandon it within its timeout.
+        if (stuck) faults_->hang = true;
+        close_pool(stuck ? close_timeout / 10 : close_timeout);
+        faults_->hang = false;
       });
     }
     std::this_thread::sleep_until(end);
