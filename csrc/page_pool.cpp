@@ -263,7 +263,7 @@ std::vector<int64_t> PagePool::highest_reserve(int64_t max_pages) const {
 
 void PagePool::push_job(Job job) {
   job.seq = next_job_seq_++;
-  if (job.kind != JobKind::kUnmap) maps_in_flight_.insert(job.seq);
+  (job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_).insert(job.seq);
   jobs_[job.deadline].push_back(std::move(job));
   mapper_.wake();
 }
@@ -492,7 +492,7 @@ int64_t PagePool::trim(double deadline_s) {
     }
     it = queued.empty() ? jobs_.erase(it) : std::next(it);
   }
-  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false};
+  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0};
   if (trim_done(trim)) return 0;
   trims_.push_back(trim);
   return trim.id;
@@ -509,8 +509,13 @@ bool PagePool::trim_done(PendingTrim& trim) {
     }
     if (!maps_in_flight_.empty() && *maps_in_flight_.begin() < trim.before_seq) return false;
     trim.swept = true;
+    trim.unmaps_before_seq = next_job_seq_;
   }
-  return trim.unmap_jobs == 0;
+  // And the memory is given back: every unmap queued up to the last sweep (the trim's own, and
+  // those planned as the maps it waited for landed) is done.
+  const bool unmapping =
+      !unmaps_in_flight_.empty() && *unmaps_in_flight_.begin() < trim.unmaps_before_seq;
+  return trim.unmap_jobs == 0 && !unmapping;
 }
 
 void PagePool::settle_trims() {
@@ -543,9 +548,11 @@ bool PagePool::finish_trim_unmap(int64_t request_id, const BackendResult& result
   return true;  // settle_trims completes it once nothing is left to wait for
 }
 
-void PagePool::map_left_flight(const Job& job) {
-  auto it = maps_in_flight_.find(job.seq);
-  if (it != maps_in_flight_.end()) maps_in_flight_.erase(it);
+void PagePool::job_left_flight(const Job& job) {
+  std::multiset<int64_t>& in_flight =
+      job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_;
+  auto it = in_flight.find(job.seq);
+  if (it != in_flight.end()) in_flight.erase(it);
 }
 
 int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
@@ -640,7 +647,7 @@ void PagePool::revert_job(const Job& job) {
     }
   }
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
-  if (job.kind != JobKind::kUnmap) map_left_flight(job);
+  job_left_flight(job);
 }
 
 std::vector<Job> PagePool::next_batch() {
@@ -736,6 +743,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
       }
     }
     drop_fences(unmapped);
+    job_left_flight(job);
     unmaps_done_ += static_cast<int64_t>(unmapped.size());
     if (job.request_id != 0 && !finish_trim_unmap(job.request_id, result)) {
       completions_.push({job.request_id,
@@ -750,7 +758,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     }
     if (job.kind == JobKind::kRefill) refill_pages_ -= num_pages;
     maps_done_ += num_pages;
-    map_left_flight(job);
+    job_left_flight(job);
   } else {
     // Pages whose rollback unmap failed too are still mapped: they join the reserve, counted as
     // mapped (a later unmap retries them). Only the others go back to unmapped.

@@ -48,8 +48,8 @@
 // or running when trim() is called (the refill started at open, a map for a waiter that a free
 // served first) lands in the reserve afterwards. Every job gets a sequence number when queued; a
 // trim records the next one and unmaps the reserve at once and again each time a map queued
-// before it lands; it completes when none is left in flight and its unmaps are done (so a
-// bounded number of sweeps, even while frees go on). A refill not yet started is dropped at
+// before it lands; it completes when none is left in flight and the unmaps queued up to its last
+// sweep are done: the memory is given back (a bounded number of sweeps, even while frees go on). A refill not yet started is dropped at
 // once, and the reserve stays empty (no refill is planned) until the next alloc: demand again.
 //
 // Note [Fences outside the lock]
@@ -179,6 +179,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     Clock::time_point deadline;
     int64_t unmap_jobs;  // its unmap jobs still queued or running
     bool swept;          // the maps it waited for have landed and their pages were unmapped
+    int64_t unmaps_before_seq;  // once swept: waits for the unmaps queued before this
   };
   class FenceReleasingLock;  // Note [Fences outside the lock]
 
@@ -189,7 +190,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   bool trim_done(PendingTrim& trim);
   void settle_trims();
   bool finish_trim_unmap(int64_t request_id, const BackendResult& result);
-  void map_left_flight(const Job& job);
+  void job_left_flight(const Job& job);
   int64_t headroom_pages() const;
   int64_t available_to_newcomer() const;
   std::vector<int64_t> take_blocks(int64_t n);
@@ -239,7 +240,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   Clock::time_point current_job_start_;
   std::vector<uintptr_t> unused_fences_;  // Note [Fences outside the lock]
   std::vector<PendingTrim> trims_;        // Note [Trim]
-  std::multiset<int64_t> maps_in_flight_;  // seq of every queued or running map job
+  std::multiset<int64_t> maps_in_flight_;    // seq of every queued or running map job
+  std::multiset<int64_t> unmaps_in_flight_;  // and unmap job
   int64_t next_job_seq_ = 1;
   bool refill_paused_ = false;  // by a trim, until the next alloc
 };

@@ -13,6 +13,9 @@ from ._layout import KVLayout
 __all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
 
 
+_MAX_RANGE_BYTES = 2**63 - 1  # int64: the size type of every backend's range
+
+
 def cuda_driver_error(device: int = 0) -> str | None:
     """Why the cuda backend cannot be used on ``device`` here, or None when it can."""
     return _cuda.driver_problem(device)
@@ -38,8 +41,17 @@ def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Ba
     """Reserves the virtual ranges for ``layout``, wrapped by ``config.faults`` if any.
 
     Raises:
-        KVAsyncError: the backend cannot be used here.
+        ValueError: the range's size does not fit in 64 bits (``max_blocks`` far too large).
+        KVAsyncError: the backend cannot be used here (or cannot reserve that much).
     """
+    range_bytes = num_pages * config.page_size
+    if range_bytes > _MAX_RANGE_BYTES:
+        # The backends compute this size in int64: refuse here, before any overflow there.
+        raise ValueError(
+            f"Config.max_blocks={config.max_blocks} needs {num_pages} pages of "
+            f"{config.page_size} bytes, a {range_bytes}-byte range per buffer, beyond 64-bit "
+            "sizes; lower max_blocks"
+        )
     name = resolve_backend(config)
     backend: _core.Backend
     if name == "host":
