@@ -220,6 +220,11 @@ class Allocator:
     async def trim(self, *, timeout: float | None = None) -> None:
         """Unmaps every mapped-free page now and waits until the memory is given back.
 
+        When it returns, no page is mapped and free unless a request mapped it since (or a
+        waiting request counts on it): maps already under way when it was called (the reserve's
+        refill, a map for a request that a free served first) are waited for and unmapped too.
+        The reserve then stays empty until the next ``alloc`` or ``alloc_nowait``: demand again.
+
         Args:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
 

@@ -21,7 +21,10 @@ class Config:
     Args:
         backend: ``"host"`` (memfd + mmap), ``"cuda"`` (CUDA virtual memory) or ``"auto"`` (cuda
             when a driver and a GPU are there, else host).
-        max_blocks: virtual capacity, in blocks. Reserving it costs address space, not memory.
+        max_blocks: virtual capacity, in blocks. Reserving it costs address space, not KV
+            memory; the pool's bookkeeping costs about 1 byte of host RAM per block and 65 per
+            page, and is bounded at 256 MiB (a larger capacity is refused with ValueError at
+            open: lower max_blocks or raise page_size).
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
         page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
             granularity on cuda, of the OS page on host).

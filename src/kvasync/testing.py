@@ -18,7 +18,7 @@ class FaultInjector:
         self._state = _core.FaultState()
 
     def delay(self, seconds: float) -> None:
-        """Make each map and unmap take ``seconds`` longer.
+        """Make each map and unmap take ``seconds`` longer (at most 600 s; ``release()`` ends it).
 
         Raises:
             ValueError: ``seconds`` is negative or not finite.
