@@ -12,11 +12,10 @@ import os
 
 import pytest
 import torch
+from conftest import wait_until
 
 import kvasync
 from kvasync.testing import FaultInjector
-
-from conftest import wait_until
 
 BLOCKS_PER_PAGE = 512  # small_layout's blocks per 2 MiB page
 
