@@ -623,9 +623,22 @@ bool PagePool::close(double timeout_s) {
   // within the timeout; otherwise the mappings stay (and go with the backend).
   const auto deadline = deadline_after(timeout_s);
   bool idle = true;
-  for (uintptr_t fence : fences) idle = backend_->wait_fence(fence, deadline).ok && idle;
+  // A backend exception is a failure here too (DESIGN.md): the pool must still end closed.
+  for (uintptr_t fence : fences) {
+    try {
+      idle = backend_->wait_fence(fence, deadline).ok && idle;
+    } catch (...) {
+      idle = false;
+    }
+  }
   if (idle) {
-    for (int64_t page : unmapping) backend_->unmap(page, 1);  // views over them now fault
+    for (int64_t page : unmapping) {
+      try {
+        backend_->unmap(page, 1);  // views over them now fault
+      } catch (...) {
+        // Left mapped: the backend's reservation goes with it.
+      }
+    }
   }
   FenceReleasingLock lock(*this);
   for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);

@@ -127,6 +127,11 @@ class TrackingBackend final : public kvasync::Backend {
       CHECK(it != fences_.end() && !it->second.released, "wait_fence on an unknown fence");
       done = it->second.done_at;
     }
+    if (roll() < fence_throw_pct_.load()) {  // a failed unmap for the mapper; close too
+      counts.injected++;
+      fence_timeouts_++;
+      throw std::runtime_error("injected exception waiting for a fence");
+    }
     std::this_thread::sleep_until(std::min(done, deadline));
     if (Clock::now() >= done) return BackendResult::success();
     fence_timeouts_++;
@@ -142,6 +147,10 @@ class TrackingBackend final : public kvasync::Backend {
       it->second.released = true;
     }
     probe_pool_lock();
+    if (roll() < fence_throw_pct_.load()) {  // released all the same; the pool carries on
+      counts.injected++;
+      throw std::runtime_error("injected exception releasing a fence");
+    }
   }
 
   void set_pool(const std::shared_ptr<kvasync::PagePool>& pool) {
@@ -149,6 +158,8 @@ class TrackingBackend final : public kvasync::Backend {
     pool_ = pool;
   }
   void set_faults(int map_fail, int unmap_fail, int throw_pct) {
+    // Fence exceptions stay on while closing: close() must survive them too.
+    fence_throw_pct_ = throw_pct;
     if (quiet_) return;
     map_fail_pct_ = map_fail;
     unmap_fail_pct_ = unmap_fail;
@@ -164,7 +175,7 @@ class TrackingBackend final : public kvasync::Backend {
                          [](const auto& f) { return !f.second.released; });
   }
   int64_t fence_timeouts() const { return fence_timeouts_.load(); }
-  // No injected failure from now on (close's own unmaps must go through).
+  // No injected map or unmap failure from now on (close's own unmaps must go through).
   void quiet() {
     quiet_ = true;
     map_fail_pct_ = unmap_fail_pct_ = throw_pct_ = 0;
@@ -175,6 +186,11 @@ class TrackingBackend final : public kvasync::Backend {
     Clock::time_point done_at;
     bool released;
   };
+
+  int roll() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<int>(rng_() % 100);
+  }
 
   BackendResult call(bool mapping, int64_t first, int64_t count) {
     // Backend calls never overlap: one mapper thread, or close() once it has been joined.
@@ -237,6 +253,7 @@ class TrackingBackend final : public kvasync::Backend {
   std::mt19937_64 rng_;
   std::atomic<int> in_call_{0};
   std::atomic<int> map_fail_pct_{0}, unmap_fail_pct_{0}, throw_pct_{0};
+  std::atomic<int> fence_throw_pct_{0};
   std::atomic<bool> quiet_{false};
   std::mutex fence_mutex_;
   std::map<uintptr_t, Fence> fences_;
