@@ -72,6 +72,10 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
   BackendResult first_error;
   size_t start = 0;
   std::vector<std::pair<int64_t, int64_t>> done;
+  // Allocated before the first backend call: out of memory after it would leave the runs done
+  // so far unknown to the pool (mapped, yet counted unmapped).
+  done.reserve(job.pages.size());
+  still_mapped.reserve(job.pages.size());
   while (start < job.pages.size()) {
     size_t end = start + 1;
     while (end < job.pages.size() && job.pages[end] == job.pages[end - 1] + 1) ++end;
