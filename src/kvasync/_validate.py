@@ -179,7 +179,7 @@ def block_ids(value: object, name: str) -> Sequence[int] | list[int]:
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must be a 1-D integer tensor, got {type_name(value)}")
-        if value.dim() != 1:
+        if value.dim() != 1 or value.device.type == "meta":  # a meta tensor holds no values
             raise ValueError(f"{name} must be a 1-D integer tensor, got {type_name(value)}")
         ids: list[int] = value.tolist()
         return ids
