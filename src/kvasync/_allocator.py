@@ -21,6 +21,7 @@ answers (a hung driver call), and close() waits for the mapper thread at most it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -441,16 +442,14 @@ class Allocator:
                 self._pool.close(wait)
             except BaseException as exc:  # delivered to the awaiting close, not lost here
                 error = exc
-            try:
+            # RuntimeError: the loop is closed, nobody waits for this close any more.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, done, error)
-            except RuntimeError:
-                pass  # the loop is closed: nobody waits for this close any more
 
         threading.Thread(target=close_pool, name="kvasync-close", daemon=True).start()
-        try:
+        # A timeout here: the unmaps after the join are stuck in the backend; left to the thread.
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(done), max(wait, 1.0) + _CLOSE_GRACE_S)
-        except asyncio.TimeoutError:
-            pass  # the unmaps after the join are stuck in the backend: left to the thread
 
     async def __aenter__(self) -> Allocator:
         return self
