@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -44,7 +45,7 @@ NUM_BLOCKS = NUM_PAGES * BLOCKS_PER_PAGE
 PAGE_BYTES = PAGE_SIZE * LAYOUT.num_ranges
 SLACK_S = 1.0  # beyond a deadline, for a loaded 2-core CI machine; a hang overshoots by far more
 THREAD_JOIN_S = 5.0
-EXAMPLES = int(os.environ.get("KVASYNC_MODEL_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("KVASYNC_MODEL_EXAMPLES", "60"))
 
 counts = st.integers(min_value=1, max_value=3 * BLOCKS_PER_PAGE)
 timeouts = st.sampled_from([0.0, 0.005, 0.05, 0.2])
@@ -168,6 +169,32 @@ class AllocatorMachine(RuleBasedStateMachine):
 
         result = self.run(cancel_after(), timeout)
         if result is not None:  # it completed before the cancellation reached it
+            self.check_alloc_result(n, result)
+
+    @rule(n=counts)
+    def alloc_cancelled_with_its_completion_queued(self, n: int) -> None:
+        """The mapper answered, the loop has not drained the answer yet, the task is cancelled.
+
+        The loop thread waits (without yielding, bounded) for the pool to have no waiter left:
+        the completion record is then queued but undelivered. The blocks in it must go back.
+        """
+
+        async def cancel_when_queued() -> object:
+            task = asyncio.ensure_future(self.kv.alloc(n, timeout=0.3))
+            await asyncio.sleep(0)  # the alloc runs: answered at once or waiting
+            give_up = time.monotonic() + 0.3
+            while self.kv.stats().waiters and time.monotonic() < give_up:
+                time.sleep(0.001)  # NOTE: blocks the loop on purpose, so nothing is drained
+            task.cancel()
+            try:
+                return await task
+            except asyncio.CancelledError:
+                return None
+            except kvasync.KVAsyncError as error:
+                return error
+
+        result = self.run(cancel_when_queued(), 0.6)
+        if result is not None:
             self.check_alloc_result(n, result)
 
     def take(self, pick: int) -> list[int]:
