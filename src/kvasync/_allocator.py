@@ -241,6 +241,8 @@ class Allocator:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
 
         Raises:
+            TypeError: ``timeout`` is not a number (or is a bool).
+            ValueError: ``timeout`` is negative, NaN or infinite.
             AllocTimeout: the unmaps did not finish in time.
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
@@ -262,7 +264,9 @@ class Allocator:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
 
         Raises:
-            ValueError: the limit is below one page.
+            TypeError: ``memory_limit`` is not an int or None, or ``timeout`` not a number (a bool
+                is neither).
+            ValueError: the limit is below one page, or a bad timeout.
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
         """
@@ -404,10 +408,15 @@ class Allocator:
 
         Finishes within ``timeout`` even with the mapper stuck in a driver call: the thread is
         then abandoned (it ends by itself when the call returns) and its mappings are left to it.
-        Idempotent.
+        The wait runs on a thread of its own, so a default executor the application keeps busy
+        does not delay it. Idempotent.
 
         Args:
             timeout: seconds to wait for the mapper thread; ``default_timeout`` when None.
+
+        Raises:
+            TypeError: ``timeout`` is not a number (or is a bool).
+            ValueError: ``timeout`` is negative, NaN or infinite.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         if self._closing is None:
@@ -607,6 +616,7 @@ async def open_allocator(
         The open allocator.
 
     Raises:
+        TypeError: ``layout`` is not a KVLayout, or ``config`` not a Config or None.
         ValueError: the layout and config do not fit together.
         KVAsyncError: the backend cannot be used here.
     """
