@@ -96,6 +96,10 @@ class Epoch:
         self.held: dict[int, float] = {}  # every block held by a worker -> its signature
         self.rng = random.Random()
         self.lag_s = 0.0  # the loop's largest lateness in the last second
+        # Frees running on other threads: a worker cancelled while it waits for one does not
+        # stop it, so the end of the epoch waits for them before counting the blocks.
+        self.free_threads: list[threading.Thread] = []
+        self.side_tasks: set[asyncio.Task[list[int]]] = set()  # allocs being cancelled
 
     async def watch_loop_lag(self) -> None:
         window: list[float] = []
@@ -177,9 +181,8 @@ class Epoch:
             self.figures.thread_frees += 1
             thread = threading.Thread(target=self.kv.free, args=(blocks,))
             thread.start()
+            self.free_threads.append(thread)
             await asyncio.to_thread(thread.join, 5.0)
-            if thread.is_alive():
-                self.figures.problem("free() from another thread did not return within 5 s")
         else:
             self.kv.free(blocks)
 
@@ -220,19 +223,25 @@ class Epoch:
         return blocks
 
     async def cancelled_alloc(self) -> None:
+        """An alloc given up on: its task is cancelled after a few loop iterations.
+
+        Not ``await task`` after the cancel: if this worker were cancelled at the same moment, the
+        await would raise CancelledError even when the task had returned blocks, and they would
+        be lost (to this driver, not to the allocator). The task's end is settled by a callback.
+        """
         task = asyncio.ensure_future(self.kv.alloc(self.rng.randint(1, 64), timeout=1.0))
+        self.side_tasks.add(task)
+        task.add_done_callback(self.settle_cancelled)
         for _ in range(self.rng.randint(0, 3)):
             await asyncio.sleep(0)
         task.cancel()
-        try:
-            blocks = await task
-        except asyncio.CancelledError:
+
+    def settle_cancelled(self, task: asyncio.Task[list[int]]) -> None:
+        self.side_tasks.discard(task)
+        if task.cancelled():
             self.figures.cancelled += 1
-        except kvasync.KVAsyncError:
-            pass
-        else:
-            self.claim(blocks)  # it completed before the cancel reached it: ours to free
-            await self.release(blocks)
+        elif task.exception() is None:  # it completed before the cancel reached it
+            self.kv.free(task.result())
 
     async def inject_faults(self) -> None:
         while True:
@@ -295,9 +304,16 @@ async def run_epoch(seconds: float, figures: Figures) -> None:
         for task in tasks:
             task.cancel()
         _, stuck = await asyncio.wait(tasks, timeout=5.0)
+        if epoch.side_tasks:
+            _, stuck_allocs = await asyncio.wait(set(epoch.side_tasks), timeout=5.0)
+            stuck |= stuck_allocs  # type: ignore[arg-type]
         if stuck:
             figures.problem(f"{len(stuck)} tasks did not unwind within 5 s of being cancelled")
         faults.release()
+        for thread in epoch.free_threads:
+            thread.join(5.0)  # NOTE: blocks the loop, which has nothing else to do now
+            if thread.is_alive():
+                figures.problem("free() from another thread did not return within 5 s")
         stats = kv.stats()
         if stats.used_blocks or stats.waiters or epoch.held:
             figures.problem(
