@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvasync
 from kvasync.testing import FaultInjector
@@ -499,3 +503,94 @@ async def test_a_deadline_already_past_times_out_at_once_unless_the_blocks_are_f
         kv.free(held + more)
     finally:
         await kv.close(timeout=5.0)
+
+
+# -- arbitrary values, against a reference of what is valid -----------------------------------
+
+ANYTHING = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.complex_numbers(),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.tuples(st.integers(-3, 3), st.integers(-3, 3)),
+    st.dictionaries(st.integers(-3, 3), st.integers(), max_size=2),
+    st.frozensets(st.integers(-3, 3), max_size=2),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([np.int32(2), np.uint8(3), np.bool_(True), np.float32(1.5), np.float64(0.5)]),
+    st.builds(torch.tensor, st.integers(-3, 3)),
+    st.builds(torch.tensor, st.lists(st.floats(0, 3), max_size=2)),
+)
+
+
+def is_int(value: object) -> bool:
+    """A reference for 'an int as kvasync takes one': has __index__, is not a bool."""
+    if isinstance(value, bool | np.bool_):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def is_seconds(value: object) -> bool:
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool | np.bool_)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def fuzz_field(kind: Callable[..., object], name: str, value: object, valid: bool) -> None:
+    """``kind(**{name: value})`` succeeds when ``valid``, else raises an error naming ``name``."""
+    try:
+        kind(**{name: value})
+    except ARGUMENT_ERRORS as error:
+        assert not valid, f"{name}={value!r} is valid but raised {error!r}"
+        assert name in str(error), f"{name}={value!r}: {error!r} does not name it"
+    else:
+        assert valid, f"{name}={value!r} was accepted"
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=ANYTHING)
+def test_config_counts_and_seconds_take_exactly_the_valid_values(value: object) -> None:
+    as_count = is_int(value) and 1 <= operator.index(value) <= (1 << 63) - 1  # type: ignore[arg-type]
+    fuzz_field(kvasync.Config, "max_blocks", value, as_count)
+    fuzz_field(kvasync.Config, "memory_limit", value, as_count or value is None)
+    fuzz_field(kvasync.Config, "default_timeout", value, is_seconds(value) and value > 0)  # type: ignore[operator]
+    fuzz_field(kvasync.Config, "zero_on_alloc", value, isinstance(value, bool))
+    fuzz_field(kvasync.Config, "faults", value, value is None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=ANYTHING)
+def test_layout_fields_and_fault_settings_take_exactly_the_valid_values(value: object) -> None:
+    fields = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 1}
+    as_size = is_int(value) and 1 <= operator.index(value) <= 1 << 31  # type: ignore[arg-type]
+    fuzz_field(lambda **kw: kvasync.KVLayout(**{**fields, **kw}), "head_dim", value, as_size)
+    valid_buffers = is_int(value) and operator.index(value) in (1, 2)  # type: ignore[arg-type]
+    fuzz_field(
+        lambda **kw: kvasync.KVLayout(**{**fields, **kw}), "kv_buffers", value, valid_buffers
+    )
+    faults = FaultInjector()
+    fuzz_field(lambda seconds: faults.delay(seconds), "seconds", value, is_seconds(value))
+    as_count = is_int(value) and 1 <= operator.index(value) <= (1 << 63) - 1  # type: ignore[arg-type]
+    fuzz_field(lambda count: faults.fail(count), "count", value, as_count)
+    faults.release()
+
+
+def test_numpy_and_tensor_integers_are_stored_as_plain_ints() -> None:
+    layout = kvasync.KVLayout(
+        num_layers=np.int64(2), num_kv_heads=np.int32(2), head_dim=torch.tensor(64), block_size=16
+    )
+    cfg = kvasync.Config(max_blocks=np.int64(256), default_timeout=np.float32(2.0))
+    values = [layout.num_layers, layout.num_kv_heads, layout.head_dim, cfg.max_blocks]
+    assert [type(v) for v in values] == [int] * 4
+    assert type(cfg.default_timeout) is float
+    assert layout == LAYOUT

@@ -52,32 +52,43 @@ class Config:
 
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
-        # ValueError, each naming the field.
+        # ValueError, each naming the field. Numbers are stored as plain int/float (a numpy
+        # integer or a 0-d tensor passes the check, and must not travel further as itself).
         from . import testing
+
+        def store(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass, still being built
 
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
-        _validate.integer(self.max_blocks, "Config.max_blocks", minimum=1)
+        store("max_blocks", _validate.integer(self.max_blocks, "Config.max_blocks", minimum=1))
         if self.memory_limit is not None:
-            _validate.integer(self.memory_limit, "Config.memory_limit", minimum=1)
-        _validate.integer(self.page_size, "Config.page_size", minimum=4096)
+            store(
+                "memory_limit",
+                _validate.integer(self.memory_limit, "Config.memory_limit", minimum=1),
+            )
+        store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=4096))
         if self.page_size % 4096:
             raise ValueError(
                 f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
             )
-        self._check_reserve_pages()
-        _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
+        store("reserve_pages", self._check_reserve_pages())
+        timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
+        store("default_timeout", timeout)
         _validate.flag(self.zero_on_alloc, "Config.zero_on_alloc")
         _validate.instance(self.faults, "Config.faults", testing.FaultInjector, optional=True)
         # The ordinal goes to the driver as a C int.
-        _validate.integer(self.device, "Config.device", minimum=0, maximum=(1 << 31) - 1)
+        store(
+            "device", _validate.integer(self.device, "Config.device", minimum=0, maximum=2**31 - 1)
+        )
         utilization = _validate.number(self.gpu_utilization, "Config.gpu_utilization")
         if not 0.0 < utilization <= 1.0:
             raise ValueError(
                 f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
             )
+        store("gpu_utilization", utilization)
 
-    def _check_reserve_pages(self) -> None:
+    def _check_reserve_pages(self) -> tuple[int, int]:
         pair = self.reserve_pages
         if not isinstance(pair, tuple) or len(pair) != 2:
             raise TypeError(f"Config.reserve_pages must be a (low, high) tuple, got {pair!r}")
@@ -87,3 +98,4 @@ class Config:
             raise ValueError(
                 f"Config.reserve_pages must be (low, high) with 0 <= low <= high, got {pair!r}"
             )
+        return low, high

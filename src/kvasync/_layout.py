@@ -63,10 +63,16 @@ class KVLayout:
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py. Sizes are bounded so that a block's bytes and
         # offsets stay well inside int64 whatever the capacity.
+        # Stored as plain ints: a numpy integer passes the check but must not travel further.
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            _validate.integer(getattr(self, name), f"KVLayout.{name}", minimum=1, maximum=1 << 31)
-        if _validate.integer(self.kv_buffers, "KVLayout.kv_buffers") not in (1, 2):
+            value = _validate.integer(
+                getattr(self, name), f"KVLayout.{name}", minimum=1, maximum=1 << 31
+            )
+            object.__setattr__(self, name, value)  # a frozen dataclass, still being built
+        kv_buffers = _validate.integer(self.kv_buffers, "KVLayout.kv_buffers")
+        if kv_buffers not in (1, 2):
             raise ValueError(f"KVLayout.kv_buffers must be 1 or 2, got {self.kv_buffers!r}")
+        object.__setattr__(self, "kv_buffers", kv_buffers)
         _validate.instance(self.dtype, "KVLayout.dtype", torch.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
