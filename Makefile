@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install lint typecheck bench clean sanitize
+.PHONY: demo test install lint typecheck bench soak clean sanitize
 
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ sanitize:
 	cmake --build build/asan -j2
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		build/asan/pool_stress --seconds $(STRESS_SECONDS) --seed $(STRESS_SEED)
+
+# Not in CI: the serving load with random faults for SOAK_SECONDS (default 600), then the
+# model-based test with KVASYNC_MODEL_EXAMPLES examples (default 1000). Fails on any leak, missed
+# deadline or growth of RSS or open fds (tests/soak.py, tests/test_model_based.py).
+SOAK_SECONDS ?= 600
+KVASYNC_MODEL_EXAMPLES ?= 1000
+soak: install
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PY) tests/soak.py
+	KVASYNC_MODEL_EXAMPLES=$(KVASYNC_MODEL_EXAMPLES) $(PY) -m pytest tests/test_model_based.py -q \
+		--timeout=3600 --hypothesis-show-statistics
 
 bench: install
 	$(PY) bench/bench_alloc.py

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -604,6 +606,42 @@ async def test_close_with_a_stuck_mapper_does_not_block_the_event_loop(backend_n
     finally:
         ticker.cancel()
         faults.release()
+
+
+@pytest.mark.parametrize("mapper", ["idle", "stuck"])
+async def test_close_is_bounded_with_the_default_executor_full(backend_name, small_layout, mapper):
+    # Issue 7: close waited for the mapper through asyncio.to_thread, i.e. behind whatever the
+    # application had queued in the loop's default executor.
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def application_work() -> bool:
+        started.release()
+        return release.wait(timeout=10.0)
+
+    jobs = [asyncio.ensure_future(asyncio.to_thread(application_work)) for _ in range(3)]
+    faults = FaultInjector()
+    kv = await kvasync.Allocator.open(small_layout, config(backend_name, faults=faults))
+    try:
+        for _ in range(2):  # both executor threads are busy; the third job is queued
+            await wait_until(lambda: started.acquire(blocking=False))
+        if mapper == "stuck":
+            faults.hang()
+            waiter = asyncio.ensure_future(kv.alloc(16 * BLOCKS_PER_PAGE, timeout=30.0))
+            await wait_until(lambda: faults.hung_maps == 1)
+        started_at = loop.time()
+        await kv.close(timeout=1.0)
+        assert loop.time() - started_at < 1.0 + 1.5
+        assert not any(job.done() for job in jobs)  # the executor was full all along
+        if mapper == "stuck":
+            with pytest.raises(kvasync.AllocatorClosed):
+                await waiter
+    finally:
+        faults.release()
+        release.set()
+        assert all(await asyncio.wait_for(asyncio.gather(*jobs), timeout=10.0))
 
 
 async def test_a_trim_that_times_out_says_what_the_mapper_is_doing(backend_name, small_layout):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _validate
+
 __all__ = ["SUPPORTED_DTYPES", "KVLayout"]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
@@ -45,8 +47,9 @@ class KVLayout:
         contiguous: one block-major range across all layers instead of one range per buffer.
 
     Raises:
-        ValueError: a count is not a positive integer, kv_buffers is not 1 or 2, or the dtype is
-            not supported.
+        TypeError: a field of the wrong type (a count that is not an int, a bool as a count).
+        ValueError: a count is not positive, kv_buffers is not 1 or 2, or the dtype is not
+            supported.
     """
 
     num_layers: int
@@ -58,15 +61,23 @@ class KVLayout:
     contiguous: bool = False
 
     def __post_init__(self) -> None:
+        # Note [Argument errors] in _validate.py. Sizes are bounded so that a block's bytes and
+        # offsets stay well inside int64 whatever the capacity.
+        # Stored as plain ints: a numpy integer passes the check but must not travel further.
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.kv_buffers not in (1, 2):
+            value = _validate.integer(
+                getattr(self, name), f"KVLayout.{name}", minimum=1, maximum=1 << 31
+            )
+            object.__setattr__(self, name, value)  # a frozen dataclass, still being built
+        kv_buffers = _validate.integer(self.kv_buffers, "KVLayout.kv_buffers")
+        if kv_buffers not in (1, 2):
             raise ValueError(f"KVLayout.kv_buffers must be 1 or 2, got {self.kv_buffers!r}")
+        object.__setattr__(self, "kv_buffers", kv_buffers)
+        _validate.instance(self.dtype, "KVLayout.dtype", torch.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise ValueError(f"KVLayout.dtype {self.dtype} is not supported; use one of {names}")
+        _validate.flag(self.contiguous, "KVLayout.contiguous")
 
     @property
     def num_buffers(self) -> int:
