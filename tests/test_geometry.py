@@ -9,6 +9,7 @@ alignment assumptions on 18432- and 81920-byte blocks.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -235,8 +236,8 @@ async def test_every_geometry_works_to_its_memory_limit(geometry: str, contiguou
             assert torch.equal(view[ids].view(torch.uint8), data.view(torch.uint8))
         ordered = sorted(ids)
         edges = {ordered[0], ordered[-1]}
-        edges |= {a for a, b in zip(ordered, ordered[1:], strict=False) if b != a + 1}
-        edges |= {b for a, b in zip(ordered, ordered[1:], strict=False) if b != a + 1}
+        gaps = [(a, b) for a, b in itertools.pairwise(ordered) if b != a + 1]
+        edges |= {a for a, _ in gaps} | {b for _, b in gaps}
         probe = sorted(edges)[:6]
         where = [ids.index(i) for i in probe]
         gathered = kv.gather(probe)

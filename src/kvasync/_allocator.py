@@ -353,7 +353,9 @@ class Allocator:
         """The KV buffers of one layer: ``(k, v)``, or ``(kv,)`` when ``kv_buffers == 1``.
 
         Each is a view ``[num_blocks, block_size, num_kv_heads, head_dim]`` over the virtual
-        range. Only allocated blocks may be touched: an unmapped block faults, as on a GPU.
+        range, one fixed block stride whatever the geometry. Only allocated blocks may be
+        touched: an unmapped block faults, as on a GPU (and an id across a page boundary is never
+        allocated: Note [Blocks across page boundaries]).
 
         Raises:
             IndexError: no such layer.
@@ -386,7 +388,9 @@ class Allocator:
     def stats(self) -> AllocatorStats:
         """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
         return AllocatorStats.from_core(
-            self._pool.stats(), self._page_bytes, self._layout.block_bytes * self._layout.num_buffers
+            self._pool.stats(),
+            self._page_bytes,
+            self._layout.block_bytes * self._layout.num_buffers,
         )
 
     # -- lifetime ---------------------------------------------------------------------------
