@@ -392,3 +392,13 @@ async def test_the_kernels_alignment_hints_hold_for_every_geometry(
         assert plan.vec * plan.unit_bytes == table.alignment
         assert plan.vecs_per_block * plan.vec * plan.unit_bytes == layout.block_bytes
         assert plan.block_stride_vecs * plan.vec * plan.unit_bytes == layout.range_block_bytes
+
+
+def test_the_pool_rejects_an_inconsistent_geometry() -> None:
+    backend = _core.HostBackend(1, 8, 4096)
+    with pytest.raises(ValueError, match="not both"):
+        _core.PagePool(backend, 10, 4, 8, 0, 0, 1.0, block_bytes=300, page_bytes=1000)
+    with pytest.raises(ValueError, match="holds no whole block"):
+        _core.PagePool(backend, 10, 0, 8, 0, 0, 1.0, block_bytes=300, page_bytes=400)
+    with pytest.raises(ValueError, match="empty pool"):
+        _core.PagePool(backend, 10, 0, 8, 0, 0, 1.0, block_bytes=300, page_bytes=0)
