@@ -1,9 +1,11 @@
 #include "page_pool.h"
 
 #include <algorithm>
+#include <climits>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "errors.h"
 
@@ -34,10 +36,37 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Note [Blocks and pages]: bytes of a block and of a page in one range (a pool of uniform pages
+// is blocks_per_page one-byte blocks a page).
+std::pair<int64_t, int64_t> block_and_page_bytes(const PoolConfig& config) {
+  if (config.block_bytes > 0 || config.page_bytes > 0) return {config.block_bytes, config.page_bytes};
+  return {1, config.blocks_per_page};
+}
+
+// Whole blocks of page `page`, below `num_blocks`: [first, end).
+std::pair<int64_t, int64_t> page_blocks(int64_t page, int64_t block_bytes, int64_t page_bytes,
+                                        int64_t num_blocks) {
+  const int64_t first = (page * page_bytes + block_bytes - 1) / block_bytes;
+  const int64_t end = std::min(((page + 1) * page_bytes) / block_bytes, num_blocks);
+  return {first, std::max(first, end)};
+}
+
+// Pages up to the last one holding a whole block below num_blocks (0 when the geometry is bad;
+// the constructor says why).
 int64_t page_count(const PoolConfig& config) {
-  const int64_t bpp = config.blocks_per_page;
-  // Not (num_blocks + bpp - 1) / bpp: that overflows for num_blocks near INT64_MAX.
-  return bpp > 0 ? config.num_blocks / bpp + (config.num_blocks % bpp != 0) : 0;
+  const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
+  if (block_bytes <= 0 || page_bytes <= 0 || config.num_blocks <= 0 ||
+      config.num_blocks > INT64_MAX / 4 / block_bytes) {
+    return 0;
+  }
+  int64_t pages = (config.num_blocks * block_bytes + page_bytes - 1) / page_bytes;
+  // The last page touched may hold only the tail of a block across its start.
+  while (pages > 0) {
+    const auto [first, end] = page_blocks(pages - 1, block_bytes, page_bytes, config.num_blocks);
+    if (end > first) break;
+    --pages;
+  }
+  return pages;
 }
 
 const char* job_name(JobKind kind) {
@@ -81,11 +110,12 @@ void PagePool::check_capacity(const PoolConfig& config) {
   // Page per page, mapped or not. Bounded so that a huge max_blocks is refused with a reason
   // rather than costing gigabytes of RAM (max_blocks=2**31 would take over 2 GiB).
   constexpr int64_t kMaxBytes = int64_t{256} << 20;
-  if (config.num_blocks <= 0 || config.blocks_per_page <= 0) {
-    throw std::invalid_argument("empty pool");
-  }
+  if (config.num_blocks <= 0) throw std::invalid_argument("empty pool");
   const int64_t per_page = static_cast<int64_t>(sizeof(Page)) + 1;  // + the page-set bits
   const int64_t pages = page_count(config);
+  // page_count is 0 for a geometry the constructor rejects (it says why), and for sizes past
+  // 64 bits, which the bound below refuses.
+  if (pages <= 0 && config.num_blocks <= kMaxBytes) return;
   const bool fits = config.num_blocks <= kMaxBytes && pages <= kMaxBytes / per_page &&
                     config.num_blocks + pages * per_page <= kMaxBytes;
   if (!fits) {
@@ -118,9 +148,18 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
       unmapped_(std::max<int64_t>(page_count(config), 1)),
       reserve_(std::max<int64_t>(page_count(config), 1)),
       with_free_(std::max<int64_t>(page_count(config), 1)) {
-  const int64_t bpp = config.blocks_per_page;
-  if (config.num_blocks <= 0 || bpp <= 0) throw std::invalid_argument("empty pool");
-  const int64_t num_pages = (config.num_blocks + bpp - 1) / bpp;
+  const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
+  const int64_t num_pages = page_count(config);
+  if (num_pages <= 0) {
+    throw std::invalid_argument("empty pool: num_blocks " + std::to_string(config.num_blocks) +
+                                ", block_bytes " + std::to_string(block_bytes) +
+                                ", page_bytes " + std::to_string(page_bytes));
+  }
+  if (config.block_bytes > 0 && config.blocks_per_page != 0) {
+    throw std::invalid_argument("give blocks_per_page or block_bytes and page_bytes, not both");
+  }
+  block_bytes_ = block_bytes;
+  page_bytes_ = page_bytes;
   if (num_pages > backend_->num_pages()) {
     throw std::invalid_argument("pool needs more pages than the backend reserved");
   }
@@ -130,7 +169,19 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
   }
   pages_.resize(num_pages);
   for (int64_t p = 0; p < num_pages; ++p) {
-    pages_[p].num_blocks = static_cast<int32_t>(std::min(bpp, config.num_blocks - p * bpp));
+    const auto [first, end] = page_blocks(p, block_bytes_, page_bytes_, config.num_blocks);
+    if (end - first > INT32_MAX) throw std::invalid_argument("too many blocks in a page");
+    if (end == first) {
+      throw std::invalid_argument("page " + std::to_string(p) + " of " +
+                                  std::to_string(page_bytes_) + " bytes holds no whole block of " +
+                                  std::to_string(block_bytes_) + " bytes");
+    }
+    pages_[p].first_block = first;
+    pages_[p].num_blocks = static_cast<int32_t>(end - first);
+    usable_blocks_ += end - first;
+    if (p < num_pages - 1 || num_pages == 1) {
+      min_page_blocks_ = p == 0 ? end - first : std::min(min_page_blocks_, end - first);
+    }
     unmapped_.insert(p);
   }
   count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
@@ -151,6 +202,22 @@ int64_t PagePool::headroom_pages() const {
   const int64_t committed = count_[(int)PageState::kMapping] + count_[(int)PageState::kFree] +
                             count_[(int)PageState::kInUse] + count_[(int)PageState::kUnmapping];
   return config_.limit_pages - committed;
+}
+
+int64_t PagePool::limit_blocks(int64_t limit_pages) const {
+  // Note [Blocks and pages]: what any limit_pages pages hold, so a request within it is served
+  // whichever pages are mapped (the short last page is swapped out for a full one: plan_maps).
+  const int64_t num_pages = static_cast<int64_t>(pages_.size());
+  if (limit_pages >= num_pages) return usable_blocks_;
+  return limit_pages * min_page_blocks_;
+}
+
+int64_t PagePool::page_of(int64_t block) const {
+  if (block < 0 || block >= config_.num_blocks) return -1;
+  const int64_t page = block * block_bytes_ / page_bytes_;
+  if (page >= static_cast<int64_t>(pages_.size())) return -1;
+  const Page& p = pages_[page];
+  return block - p.first_block < p.num_blocks ? page : -1;
 }
 
 int64_t PagePool::available_to_newcomer() const {
@@ -191,13 +258,12 @@ std::vector<int64_t> PagePool::take_blocks(int64_t n) {
   // Lowest page first, so that high pages empty out and can be unmapped.
   std::vector<int64_t> out;
   out.reserve(n);
-  const int64_t bpp = config_.blocks_per_page;
   while (static_cast<int64_t>(out.size()) < n) {
     const int64_t page = with_free_.first();
     Page& p = pages_[page];
     if (p.used == 0) set_state(page, PageState::kInUse);
     while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {
-      const int64_t block = page * bpp + p.free_slots.back();
+      const int64_t block = p.first_block + p.free_slots.back();
       p.free_slots.pop_back();
       block_used_[block] = 1;
       out.push_back(block);
@@ -289,7 +355,7 @@ void PagePool::plan_maps() {
     // the limit. Parked in the reserve at the limit, it would keep a waiter that fits the limit
     // from ever being served: give it back, and the full page that replaces it follows.
     const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
-    if (pages_[last].num_blocks < config_.blocks_per_page &&
+    if (pages_[last].num_blocks < min_page_blocks_ &&
         pages_[last].state == PageState::kFree && !unmapped_.empty()) {
       push_job(make_unmap_job({last}, 0, deadline_after(config_.default_timeout_s)));
     }
@@ -337,12 +403,16 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   refill_paused_ = false;  // demand again (Note [Trim])
-  const int64_t limit_blocks = config_.limit_pages * config_.blocks_per_page;
-  if (n > config_.num_blocks || n > limit_blocks) {
+  const int64_t limit = limit_blocks(config_.limit_pages);
+  if (n > usable_blocks_ || n > limit) {
+    const int64_t lost = config_.num_blocks - usable_blocks_;
     throw OutOfBlocksError(
         "alloc of " + std::to_string(n) + " blocks can never fit: capacity is " +
-        std::to_string(config_.num_blocks) + " blocks and the memory limit allows " +
-        std::to_string(std::min(limit_blocks, config_.num_blocks)) +
+        std::to_string(usable_blocks_) + " blocks" +
+        (lost > 0 ? " (" + std::to_string(lost) + " of the " + std::to_string(config_.num_blocks) +
+                        " ids lie across page boundaries)"
+                  : std::string()) +
+        " and the memory limit allows " + std::to_string(std::min(limit, usable_blocks_)) +
         "; raise max_blocks or memory_limit, or allocate fewer blocks at a time");
   }
   if (n <= available_to_newcomer()) {
@@ -390,8 +460,10 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
                                     " is out of range [0, " + std::to_string(config_.num_blocks) +
                                     "); nothing was freed");
       }
-      throw std::invalid_argument("free: block " + std::to_string(block) +
-                                  (state == 2 ? " appears twice" : " is not allocated") +
+      const char* why = state == 2            ? " appears twice"
+                        : page_of(block) < 0    ? " is never allocated: it lies across a page boundary"
+                                                : " is not allocated";
+      throw std::invalid_argument("free: block " + std::to_string(block) + why +
                                   "; nothing was freed");
     }
     block_used_[block] = 2;
@@ -403,16 +475,15 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
     if (fence != 0) unused_fences_.push_back(fence);
     return;
   }
-  const int64_t bpp = config_.blocks_per_page;
   for (int64_t block : blocks) {
     block_used_[block] = 0;
-    const int64_t page = block / bpp;
+    const int64_t page = block * block_bytes_ / page_bytes_;  // allocated: whole in this page
     Page& p = pages_[page];
     if (fence != 0 && (p.fences.empty() || p.fences.back() != fence)) {
       p.fences.push_back(fence);
       ++fence_refs_[fence];
     }
-    p.free_slots.push_back(static_cast<int32_t>(block % bpp));
+    p.free_slots.push_back(static_cast<int32_t>(block - p.first_block));
     if (p.free_slots.size() == 1) with_free_.insert(page);
     if (--p.used == 0) set_state(page, PageState::kFree);
   }
@@ -560,14 +631,14 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   config_.limit_pages = limit_pages;
-  const int64_t limit_blocks = limit_pages * config_.blocks_per_page;
+  const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
-    if (w.n > limit_blocks) too_big.push_back(w.id);
+    if (w.n > limit) too_big.push_back(w.id);
   }
   for (int64_t id : too_big) {
     fail_waiter(id, CompletionStatus::kOutOfBlocks,
-                "the memory limit was lowered to " + std::to_string(limit_blocks) +
+                "the memory limit was lowered to " + std::to_string(limit) +
                     " blocks, fewer than this request needs");
   }
   serve_waiters();
@@ -827,6 +898,8 @@ PoolStats PagePool::stats() const {
   s.dropped_jobs = dropped_jobs_;
   s.timeouts = timeouts_;
   s.limit_pages = config_.limit_pages;
+  s.limit_blocks = limit_blocks(config_.limit_pages);
+  s.unusable_blocks = config_.num_blocks - usable_blocks_;
   s.mapper_op_age_s = 0.0;
   if (current_job_) {
     s.mapper_op = std::string(job_name(current_job_->kind)) + " of " +

@@ -57,6 +57,19 @@
 // Releasing a fence is a driver call (cuEventDestroy on cuda), so it never happens under mutex_:
 // the code holding the lock only collects fences no page holds any more (unused_fences_), and
 // FenceReleasingLock releases them after unlocking, on every exit path, exceptions included.
+// Note [Blocks and pages]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Block i sits at byte i * block_bytes of every range (one fixed stride, so that a range is one
+// [num_blocks, ...] tensor) and page p covers bytes [p * page_bytes, (p + 1) * page_bytes).
+// When page_bytes is not a multiple of block_bytes, a block can straddle a page boundary: such a
+// block would need two pages mapped and would pin both, so it is never handed out (at most one
+// per page boundary). Page p holds the whole blocks [first_block, first_block + num_blocks);
+// block -> page is one division (block * block_bytes / page_bytes), and the block after a page's
+// last whole block is its straddler. The memory limit promises `limit_pages * min_page_blocks`
+// blocks (the fewest any full page holds): requests above that are refused at once, so no waiter
+// ever depends on which pages happen to be mapped. kvasync's layout picks page sizes that lose
+// at most 1/32 of the memory this way (KVLayout.page_unit).
+//
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
@@ -86,11 +99,15 @@ enum class JobKind : uint8_t { kMapForRequest, kRefill, kUnmap };
 
 struct PoolConfig {
   int64_t num_blocks = 0;
-  int64_t blocks_per_page = 0;
+  int64_t blocks_per_page = 0;  // pages hold exactly this many blocks; 0 with block_bytes
   int64_t limit_pages = 0;  // physical budget, in page ids
   int64_t reserve_low = 0;
   int64_t reserve_high = 0;
   double default_timeout_s = 5.0;
+  // Note [Blocks and pages]: with block_bytes > 0, a block takes block_bytes in each range and a
+  // page page_bytes, which need not be a multiple of it.
+  int64_t block_bytes = 0;
+  int64_t page_bytes = 0;
 };
 
 struct Job {
@@ -110,6 +127,8 @@ struct PoolStats {
       unmapping_pages, unmapped_pages, waiters, queued_jobs, mapper_batches, maps_done, unmaps_done,
       map_errors,
       dropped_jobs, timeouts, limit_pages;
+  int64_t limit_blocks;     // blocks the memory limit promises (Note [Blocks and pages])
+  int64_t unusable_blocks;  // ids in range(num_blocks) never handed out: across a page boundary
   std::string mapper_op;  // empty when idle
   double mapper_op_age_s;
   std::string last_error;
@@ -144,6 +163,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
 
   PoolStats stats() const;
   bool is_allocated(int64_t block) const;
+  // The page holding block `block` whole, or -1 (across a page boundary, or out of range).
+  int64_t page_of(int64_t block) const;
   const Backend& backend() const { return *backend_; }
   const PoolConfig& config() const { return config_; }
 
@@ -162,7 +183,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
 
   struct Page {
     PageState state = PageState::kUnmapped;
-    int32_t num_blocks = 0;  // blocks of this page inside num_blocks (the last page may be short)
+    int64_t first_block = 0;  // Note [Blocks and pages]
+    int32_t num_blocks = 0;   // whole blocks of this page inside num_blocks (the last may be short)
     int32_t used = 0;
     std::vector<int32_t> free_slots;  // stack of free block slots while mapped
     std::vector<uintptr_t> fences;    // Note [Unmap safety]
@@ -192,6 +214,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   bool finish_trim_unmap(int64_t request_id, const BackendResult& result);
   void job_left_flight(const Job& job);
   int64_t headroom_pages() const;
+  int64_t limit_blocks(int64_t limit_pages) const;
   int64_t available_to_newcomer() const;
   std::vector<int64_t> take_blocks(int64_t n);
   void serve_waiters();
@@ -219,6 +242,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   mutable std::mutex mutex_;
   bool closed_ = false;
   std::vector<Page> pages_;
+  int64_t block_bytes_ = 1, page_bytes_ = 1;  // Note [Blocks and pages]
+  int64_t min_page_blocks_ = 0;               // fewest blocks of a page other than the last
+  int64_t usable_blocks_ = 0;                 // blocks of all pages
   std::vector<uint8_t> block_used_;
   PageSet unmapped_;                  // kUnmapped page ids
   PageSet reserve_;                   // kFree page ids

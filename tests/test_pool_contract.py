@@ -12,12 +12,17 @@ import os
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import wait_until, whole_blocks
 
 import kvasync
 from kvasync.testing import FaultInjector
 
-BLOCKS_PER_PAGE = 512  # small_layout's blocks per 2 MiB page
+
+def first_page_blocks(layout: kvasync.KVLayout) -> int:
+    """The whole blocks of page 0 at the default 2 MiB page (the geometry may not divide it)."""
+    unit = layout.page_unit(2 << 20)
+    ids = whole_blocks(layout, 2 << 20, 4096)
+    return sum(1 for i in ids if i * layout.range_block_bytes // unit == 0)
 
 
 def host_config(**overrides: object) -> kvasync.Config:
@@ -82,7 +87,7 @@ async def test_trim_unmaps_the_refill_that_was_mapping_when_it_was_called(small_
 async def test_trim_unmaps_a_map_whose_waiter_a_free_served_first(small_layout):
     faults = FaultInjector()
     async with kvasync.open_allocator(small_layout, host_config(faults=faults)) as kv:
-        held = await kv.alloc(BLOCKS_PER_PAGE)  # one full page
+        held = await kv.alloc(first_page_blocks(small_layout))  # one full page
         faults.delay(0.3)
         waiter = asyncio.create_task(kv.alloc(1, timeout=5.0))
         await wait_until(lambda: kv.stats().mapping_pages == 1)

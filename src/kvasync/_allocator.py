@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -38,6 +39,8 @@ from ._layout import KVLayout
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
+
+_logger = logging.getLogger("kvasync")
 
 # Completion statuses (csrc/completion_queue.h).
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
@@ -92,21 +95,24 @@ class Allocator:
         self._loop = loop
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
-        blocks_per_page = layout.blocks_per_page(config.page_size)
-        self._blocks_per_page = blocks_per_page
-        num_pages = -(-config.max_blocks // blocks_per_page)
-        self._page_bytes = config.page_size * layout.num_ranges
+        # Note [Blocks across page boundaries] (_layout.py): the unit may be a multiple of
+        # page_size, and its blocks need not fill it.
+        page_size = layout.page_unit(config.page_size)
+        num_pages = -(-config.max_blocks * layout.range_block_bytes // page_size)
+        self._page_bytes = page_size * layout.num_ranges
         self._num_pages = num_pages
-        self._backend = create_backend(layout, config, num_pages)
+        self._backend = create_backend(layout, config, num_pages, page_size)
         low, high = config.reserve_pages
         self._pool = _core.PagePool(
             self._backend,
             config.max_blocks,
-            blocks_per_page,
+            0,
             self._limit_pages(config.memory_limit),
             low,
             high,
             config.default_timeout,
+            block_bytes=layout.range_block_bytes,
+            page_bytes=page_size,
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
@@ -114,6 +120,7 @@ class Allocator:
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
         loop.add_reader(self._fd, self._on_completions)
+        _log_open(self)
 
     @classmethod
     async def open(cls, layout: KVLayout, config: Config | None = None) -> Allocator:
@@ -201,7 +208,7 @@ class Allocator:
         result = self._pool.alloc_nowait(n)
         if result is None:
             stats = self._pool.stats()
-            limit = min(stats["limit_pages"] * self._blocks_per_page, self.num_blocks)
+            limit = stats["limit_blocks"]
             if n > limit:
                 raise OutOfBlocks(f"alloc of {n} blocks can never fit: the limit is {limit} blocks")
             raise WouldBlock(
@@ -372,7 +379,9 @@ class Allocator:
         """The KV buffers of one layer: ``(k, v)``, or ``(kv,)`` when ``kv_buffers == 1``.
 
         Each is a view ``[num_blocks, block_size, num_kv_heads, head_dim]`` over the virtual
-        range. Only allocated blocks may be touched: an unmapped block faults, as on a GPU.
+        range, one fixed block stride whatever the geometry. Only allocated blocks may be
+        touched: an unmapped block faults, as on a GPU (and an id across a page boundary is never
+        allocated: Note [Blocks across page boundaries]).
 
         Raises:
             TypeError: ``index`` is not an int (or is a bool).
@@ -404,7 +413,11 @@ class Allocator:
 
     def stats(self) -> AllocatorStats:
         """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
-        return AllocatorStats.from_core(self._pool.stats(), self._page_bytes)
+        return AllocatorStats.from_core(
+            self._pool.stats(),
+            self._page_bytes,
+            self._layout.block_bytes * self._layout.num_buffers,
+        )
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -605,6 +618,27 @@ def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
 
 def _none_missing(ids: list[int]) -> list[int]:
     return []
+
+
+def _log_open(kv: Allocator) -> None:
+    """One INFO line at open: where the cache lives and what its geometry costs."""
+    if not _logger.isEnabledFor(logging.INFO):
+        return
+    layout, stats = kv.layout, kv.stats()
+    usable = stats.num_blocks - stats.unusable_blocks
+    _logger.info(
+        "opened: %s layout (%d range(s)), %s backend, page %d bytes per range, capacity %d "
+        "blocks (%d bytes); %d block id(s) across page boundaries never used (%d bytes, %.2f%%)",
+        "contiguous" if layout.contiguous else "per-layer",
+        layout.num_ranges,
+        kv.backend,
+        stats.page_bytes // layout.num_ranges,
+        usable,
+        usable * layout.block_bytes * layout.num_buffers,
+        stats.unusable_blocks,
+        stats.unusable_bytes,
+        100.0 * stats.unusable_blocks / stats.num_blocks,
+    )
 
 
 @asynccontextmanager

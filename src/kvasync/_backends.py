@@ -37,8 +37,12 @@ def resolve_backend(config: Config) -> str:
     return "host" if problem is not None else "cuda"
 
 
-def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Backend:
+def create_backend(
+    layout: KVLayout, config: Config, num_pages: int, page_size: int | None = None
+) -> _core.Backend:
     """Reserves the virtual ranges for ``layout``, wrapped by ``config.faults`` if any.
+
+    ``page_size`` (bytes per range of a page id) defaults to ``config.page_size``.
 
     Raises:
         ValueError: the range's size does not fit in 64 bits (``max_blocks`` far too large).
@@ -53,16 +57,17 @@ def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Ba
             "sizes; lower max_blocks"
         )
     name = resolve_backend(config)
+    page_size = config.page_size if page_size is None else page_size
     backend: _core.Backend
     if name == "host":
-        backend = _core.HostBackend(layout.num_ranges, num_pages, config.page_size)
+        backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
         # The handle pool keeps up to the reserve's high watermark of unmapped handles.
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
-            config.page_size,
+            page_size,
             config.reserve_pages[1],
             config.gpu_utilization,
         )

@@ -28,7 +28,10 @@ class Config:
             open: lower max_blocks or raise page_size).
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
         page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
-            granularity on cuda, of the OS page on host).
+            granularity on cuda, of the OS page on host). It need not be a multiple of the
+            block: a block id across a page boundary is never handed out, and where that would
+            lose more than 1/32 of it, a page maps the smallest multiple of page_size that loses
+            less (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
