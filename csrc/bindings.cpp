@@ -107,6 +107,8 @@ py::dict stats_dict(const PoolStats& s) {
   d["dropped_jobs"] = s.dropped_jobs;
   d["timeouts"] = s.timeouts;
   d["limit_pages"] = s.limit_pages;
+  d["limit_blocks"] = s.limit_blocks;
+  d["unusable_blocks"] = s.unusable_blocks;
   d["mapper_op"] = s.mapper_op.empty() ? py::object(py::none()) : py::object(py::str(s.mapper_op));
   d["mapper_op_age_s"] = s.mapper_op_age_s;
   d["last_error"] = s.last_error;
@@ -149,7 +151,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<FaultState, std::shared_ptr<FaultState>>(m, "FaultState")
       .def(py::init<>())
-      .def("delay", [](FaultState& f, double s) { f.delay_ns = static_cast<int64_t>(s * 1e9); },
+      .def("delay", [](FaultState& f, double s) { f.set_delay(s); },
            py::arg("seconds"))
       .def("hang", [](FaultState& f) { f.hang = true; })
       .def("fail", [](FaultState& f, int64_t count) { f.fail_count = count; }, py::arg("count"))
@@ -168,7 +170,10 @@ PYBIND11_MODULE(_core, m) {
           // as long as any view of it does.
           auto* keep = new std::shared_ptr<Backend>(backend);
           py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<Backend>*>(p); });
-          const py::ssize_t bytes = backend->num_pages() * backend->page_size();
+          int64_t bytes = 0;  // checked: a signed overflow is undefined
+          if (__builtin_mul_overflow(backend->num_pages(), backend->page_size(), &bytes)) {
+            throw py::value_error("range_view: the range's size overflows 64 bits");
+          }
           auto* data = reinterpret_cast<uint8_t*>(backend->range_base(range));
           return py::array_t<uint8_t>({bytes}, {1}, data, owner);
         },
@@ -177,14 +182,18 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PoolHandle>(m, "PagePool")
       .def(py::init([](std::shared_ptr<Backend> backend, int64_t num_blocks,
                        int64_t blocks_per_page, int64_t limit_pages, int64_t reserve_low,
-                       int64_t reserve_high, double default_timeout_s) {
+                       int64_t reserve_high, double default_timeout_s, int64_t block_bytes,
+                       int64_t page_bytes) {
              PoolConfig config{num_blocks, blocks_per_page, limit_pages,
                                reserve_low, reserve_high, default_timeout_s};
+             config.block_bytes = block_bytes;
+             config.page_bytes = page_bytes;
              return new PoolHandle(PagePool::create(std::move(backend), config));
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("blocks_per_page"),
            py::arg("limit_pages"), py::arg("reserve_low"), py::arg("reserve_high"),
-           py::arg("default_timeout_s"))
+           py::arg("default_timeout_s"), py::kw_only(), py::arg("block_bytes") = 0,
+           py::arg("page_bytes") = 0)
       .def("alloc",
            [](PoolHandle& pool, int64_t n, double deadline) -> py::object {
              auto result = pool->alloc(n, deadline);

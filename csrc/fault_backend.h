@@ -6,13 +6,15 @@
 // another engine initialises) or fails (out of memory). FaultBackend reproduces both where they
 // happen -- in the mapper thread, between the pool's bookkeeping and the real driver call -- so
 // tests exercise the real deadline, cancellation and error paths.
-//  - delay: every map and unmap sleeps that long first.
+//  - delay: every map and unmap sleeps that long first (at most kMaxHangSeconds, like a hang: a
+//    delay of 1e10 s must not overflow the int64 nanoseconds; release() ends a delay under way).
 //  - hang: every map blocks until release(). NOTE: a simulated hang is still bounded by
 //    kMaxHangSeconds so that an abandoned mapper thread in a test process ends eventually;
 //    nothing in the pool relies on that bound.
 //  - fail(count): the next `count` maps fail with the wrapped driver's out-of-memory error.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 
@@ -26,6 +28,12 @@ struct FaultState {
   std::atomic<bool> hang{false};
   std::atomic<int64_t> fail_count{0};
   std::atomic<int64_t> hung_maps{0};  // maps currently blocked by hang (lets tests wait for it)
+
+  void set_delay(double seconds) {
+    // Clamped before the conversion: 1e10 s in int64 nanoseconds would overflow (NaN reads as 0).
+    const double clamped = seconds > 0 ? std::min(seconds, kMaxHangSeconds) : 0.0;
+    delay_ns = static_cast<int64_t>(clamped * 1e9);
+  }
 
   void release() {
     hang = false;

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "errors.h"
+
 namespace kvasync {
 namespace {
 
@@ -32,19 +34,28 @@ HostBackend::HostBackend(int num_ranges, int64_t num_pages, int64_t page_size)
                                 " must be a positive multiple of the OS page size " +
                                 std::to_string(os_page));
   }
-  const int64_t bytes = num_pages * page_size;
+  int64_t bytes = 0;  // checked: num_pages * page_size is a signed overflow otherwise
+  if (__builtin_mul_overflow(num_pages, page_size, &bytes)) {
+    throw std::invalid_argument("host backend: " + std::to_string(num_pages) + " pages of " +
+                                std::to_string(page_size) +
+                                " bytes overflow a 64-bit range; lower max_blocks");
+  }
   try {
     for (int r = 0; r < num_ranges; ++r) {
       Range range;
       void* base = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      if (base == MAP_FAILED) throw std::runtime_error(errno_failure("mmap reserve", errno));
+      if (base == MAP_FAILED) {
+        throw BackendError(errno_failure("mmap reserve", errno) + ": reserving " +
+                           std::to_string(bytes) + " bytes of address space for " +
+                           std::to_string(num_pages) + " pages; lower max_blocks");
+      }
       range.base = static_cast<char*>(base);
       range.memfd = memfd_create("kvasync-kv", MFD_CLOEXEC);
       if (range.memfd < 0 || ftruncate(range.memfd, bytes) != 0) {
         const int err = errno;
         if (range.memfd >= 0) close(range.memfd);
         munmap(base, bytes);
-        throw std::runtime_error(errno_failure("memfd_create/ftruncate", err));
+        throw BackendError(errno_failure("memfd_create/ftruncate", err));
       }
       ranges_.push_back(range);
     }

@@ -12,6 +12,19 @@ namespace {
 
 constexpr auto kIdlePoll = std::chrono::milliseconds(100);  // how often an idle mapper re-checks
 
+// A backend call whose exception becomes a failure (DESIGN.md: failures are values): run_job
+// then always knows which runs are mapped, and rolls back or reports them.
+template <class Call>
+BackendResult guarded(Call&& call) {
+  try {
+    return call();
+  } catch (const std::exception& e) {
+    return BackendResult::failure(std::string("EXCEPTION: ") + e.what());
+  } catch (...) {
+    return BackendResult::failure("EXCEPTION: unknown");
+  }
+}
+
 }  // namespace
 
 Mapper::Mapper() = default;
@@ -50,7 +63,7 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
   // One backend call per run of consecutive pages, so the driver sees batches.
   const bool mapping = job.kind != JobKind::kUnmap;
   for (uintptr_t fence : job.fences) {  // Note [Unmap safety]
-    BackendResult idle = backend.wait_fence(fence, job.deadline);
+    BackendResult idle = guarded([&] { return backend.wait_fence(fence, job.deadline); });
     if (!idle.ok) {
       still_mapped = job.pages;  // nothing was touched
       return idle;
@@ -59,14 +72,25 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
   BackendResult first_error;
   size_t start = 0;
   std::vector<std::pair<int64_t, int64_t>> done;
+  // Allocated before the first backend call: out of memory after it would leave the runs done
+  // so far unknown to the pool (mapped, yet counted unmapped).
+  done.reserve(job.pages.size());
+  still_mapped.reserve(job.pages.size());
   while (start < job.pages.size()) {
     size_t end = start + 1;
     while (end < job.pages.size() && job.pages[end] == job.pages[end - 1] + 1) ++end;
     const int64_t first = job.pages[start], count = static_cast<int64_t>(end - start);
-    BackendResult result = mapping ? backend.map(first, count) : backend.unmap(first, count);
+    BackendResult result = guarded([&] {
+      return mapping ? backend.map(first, count) : backend.unmap(first, count);
+    });
     if (!result.ok) {
       if (mapping) {
-        for (auto [f, c] : done) backend.unmap(f, c);  // all or nothing for the job
+        // All or nothing for the job. A run whose rollback fails stays mapped: say so, or the
+        // pool would count mapped pages as unmapped (and map over them later).
+        for (auto [f, c] : done) {
+          if (guarded([&] { return backend.unmap(f, c); }).ok) continue;
+          for (int64_t page = f; page < f + c; ++page) still_mapped.push_back(page);
+        }
         return result;
       }
       if (first_error.ok) first_error = result;
@@ -77,13 +101,61 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
   }
   // A trim or a lowered limit (an unmap with a barrier) means "give the memory back now": drop
   // whatever the backend keeps for quick re-mapping too.
-  if (!mapping && job.request_id != 0) backend.release_cached();
+  if (!mapping && job.request_id != 0) {
+    guarded([&] {
+      backend.release_cached();  // an optimisation: a failure leaves the handles pooled
+      return BackendResult::success();
+    });
+  }
   return first_error;
+}
+
+void Mapper::run_batch(PagePool& pool, const std::vector<Job>& batch) noexcept {
+  // Every exception ends here (DESIGN.md: failures are values; one escaping this thread would end
+  // the process through std::terminate). The backend's are already failures (guarded); what is
+  // left is running out of memory in the bookkeeping.
+  std::vector<int64_t> still_mapped;
+  BackendResult result;
+  try {
+    // Several maps run as one (all or nothing together); each job is then settled on its own.
+    if (batch.size() == 1) {
+      result = run_job(pool.mutable_backend(), batch.front(), still_mapped);
+    } else {
+      result = run_job(pool.mutable_backend(), merge_jobs(batch), still_mapped);
+    }
+  } catch (const std::exception& e) {
+    try {
+      result = BackendResult::failure(std::string("EXCEPTION: ") + e.what());
+      // NOTE: an unmap whose runs are unknown is reported as still mapped: the pages stay
+      // accounted (and are retried) rather than handed out unmapped.
+      still_mapped = batch.front().kind == JobKind::kUnmap ? batch.front().pages
+                                                           : std::vector<int64_t>{};
+    } catch (...) {
+      result.ok = false;
+    }
+  } catch (...) {
+    result.ok = false;
+  }
+  for (const Job& job : batch) {
+    try {
+      pool.finish_job(job, result, still_mapped);
+    } catch (...) {
+      // Out of memory in the bookkeeping: this job's pages stay in flight (unusable, but
+      // accounted), its waiter times out at its deadline. The thread keeps serving.
+    }
+  }
 }
 
 void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
   while (!self->stopping_.load()) {
-    const std::vector<Job> batch = pool->next_batch();
+    std::vector<Job> batch;
+    try {
+      batch = pool->next_batch();
+    } catch (...) {
+      // Out of memory choosing the next jobs: wait a little (bounded) and try again.
+      self->wake_.wait_for(kIdlePoll);
+      continue;
+    }
     if (batch.empty()) {
       // Idle: the backend's upkeep (one driver call at a time, so a job that arrives waits for
       // at most one), then a bounded wait for work.
@@ -98,19 +170,7 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
           kIdlePoll, std::chrono::duration<double>(again)));
       continue;
     }
-    std::vector<int64_t> still_mapped;
-    // Several maps run as one (all or nothing together); each job is then settled on its own.
-    const Job& work = batch.size() == 1 ? batch.front() : merge_jobs(batch);
-    BackendResult result;
-    try {
-      result = run_job(pool->mutable_backend(), work, still_mapped);
-    } catch (const std::exception& e) {
-      // Failures are values (DESIGN.md): an exception must not end the process from this thread.
-      result = BackendResult::failure(std::string("EXCEPTION: ") + e.what());
-      still_mapped = work.kind == JobKind::kUnmap ? work.pages : std::vector<int64_t>{};
-    }
-    for (const Job& job : batch) pool->finish_job(job, result, batch.size() == 1 ? still_mapped
-                                                                              : std::vector<int64_t>{});
+    run_batch(*pool, batch);
   }
   self->exited_.notify();
   // `pool` is released here; when the thread was abandoned it may be the last reference.

@@ -39,6 +39,8 @@ class Mapper {
   // failed (a failed map is rolled back whole).
   static BackendResult run_job(Backend& backend, const Job& job,
                                std::vector<int64_t>& still_mapped);
+  // Runs a batch and settles each of its jobs with the pool; never throws.
+  static void run_batch(PagePool& pool, const std::vector<Job>& batch) noexcept;
 
  private:
   static void run(std::shared_ptr<PagePool> pool, Mapper* self);

@@ -1,29 +1,72 @@
 #include "page_pool.h"
 
 #include <algorithm>
+#include <climits>
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "errors.h"
 
 namespace kvasync {
 namespace {
 
+// The furthest a deadline may lie, absolute or from now (about 31 years): the clock counts int64
+// nanoseconds, so now + 1e10 s would wrap into the past and a job would be dropped at once.
+constexpr double kMaxDeadlineSeconds = 1e9;
+
+double clamp_seconds(double seconds) {
+  // NaN and negatives become 0 (the past), huge values the bound.
+  return seconds >= 0 ? std::min(seconds, kMaxDeadlineSeconds) : 0.0;
+}
+
 Clock::time_point to_time_point(double seconds) {
-  // Clamp so that a far deadline cannot overflow the clock's int64 nanoseconds.
-  const double clamped = std::min(seconds, 1e9);
   return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(clamped)));
+      std::chrono::duration<double>(clamp_seconds(seconds))));
+}
+
+// now + `seconds`, for every deadline computed from a timeout (default_timeout, close's).
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(clamp_seconds(seconds)));
 }
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Note [Blocks and pages]: bytes of a block and of a page in one range (a pool of uniform pages
+// is blocks_per_page one-byte blocks a page).
+std::pair<int64_t, int64_t> block_and_page_bytes(const PoolConfig& config) {
+  if (config.block_bytes > 0 || config.page_bytes > 0) return {config.block_bytes, config.page_bytes};
+  return {1, config.blocks_per_page};
+}
+
+// Whole blocks of page `page`, below `num_blocks`: [first, end).
+std::pair<int64_t, int64_t> page_blocks(int64_t page, int64_t block_bytes, int64_t page_bytes,
+                                        int64_t num_blocks) {
+  const int64_t first = (page * page_bytes + block_bytes - 1) / block_bytes;
+  const int64_t end = std::min(((page + 1) * page_bytes) / block_bytes, num_blocks);
+  return {first, std::max(first, end)};
+}
+
+// Pages up to the last one holding a whole block below num_blocks (0 when the geometry is bad;
+// the constructor says why).
 int64_t page_count(const PoolConfig& config) {
-  const int64_t bpp = config.blocks_per_page;
-  return bpp > 0 ? (config.num_blocks + bpp - 1) / bpp : 0;
+  const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
+  if (block_bytes <= 0 || page_bytes <= 0 || config.num_blocks <= 0 ||
+      config.num_blocks > INT64_MAX / 4 / block_bytes) {
+    return 0;
+  }
+  int64_t pages = (config.num_blocks * block_bytes + page_bytes - 1) / page_bytes;
+  // The last page touched may hold only the tail of a block across its start.
+  while (pages > 0) {
+    const auto [first, end] = page_blocks(pages - 1, block_bytes, page_bytes, config.num_blocks);
+    if (end > first) break;
+    --pages;
+  }
+  return pages;
 }
 
 const char* job_name(JobKind kind) {
@@ -37,7 +80,59 @@ const char* job_name(JobKind kind) {
 
 }  // namespace
 
+// Holds mutex_; on leaving the scope (exceptions included) unlocks, then releases the fences
+// collected meanwhile. Note [Fences outside the lock].
+class PagePool::FenceReleasingLock {
+ public:
+  explicit FenceReleasingLock(PagePool& pool) : pool_(pool), lock_(pool.mutex_) {}
+  ~FenceReleasingLock() {
+    std::vector<uintptr_t> fences;
+    fences.swap(pool_.unused_fences_);
+    lock_.unlock();
+    for (uintptr_t fence : fences) {
+      try {
+        pool_.backend_->release_fence(fence);
+      } catch (...) {
+        // A destructor must not throw; a fence the driver refused to release is all we lose.
+      }
+    }
+  }
+  FenceReleasingLock(const FenceReleasingLock&) = delete;
+  FenceReleasingLock& operator=(const FenceReleasingLock&) = delete;
+
+ private:
+  PagePool& pool_;
+  std::unique_lock<std::mutex> lock_;
+};
+
+void PagePool::check_capacity(const PoolConfig& config) {
+  // NOTE: the bookkeeping is allocated at open for the whole capacity: a byte per block and a
+  // Page per page, mapped or not. Bounded so that a huge max_blocks is refused with a reason
+  // rather than costing gigabytes of RAM (max_blocks=2**31 would take over 2 GiB).
+  constexpr int64_t kMaxBytes = int64_t{256} << 20;
+  if (config.num_blocks <= 0) throw std::invalid_argument("empty pool");
+  const int64_t per_page = static_cast<int64_t>(sizeof(Page)) + 1;  // + the page-set bits
+  const int64_t pages = page_count(config);
+  // page_count is 0 for a geometry the constructor rejects (it says why), and for sizes past
+  // 64 bits, which the bound below refuses.
+  if (pages <= 0 && config.num_blocks <= kMaxBytes) return;
+  const bool fits = config.num_blocks <= kMaxBytes && pages <= kMaxBytes / per_page &&
+                    config.num_blocks + pages * per_page <= kMaxBytes;
+  if (!fits) {
+    const double mib = (static_cast<double>(config.num_blocks) +
+                        static_cast<double>(pages) * static_cast<double>(per_page)) /
+                       (1 << 20);
+    std::ostringstream out;
+    out << "max_blocks=" << config.num_blocks << " (" << pages << " pages) needs about " << mib
+        << " MiB of host memory for the pool's bookkeeping (1 byte per block and " << per_page
+        << " bytes per page), above the bound of " << (kMaxBytes >> 20)
+        << " MiB; lower max_blocks, or raise page_size so that fewer pages hold them";
+    throw std::invalid_argument(out.str());
+  }
+}
+
 std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, PoolConfig config) {
+  check_capacity(config);  // before the constructor allocates anything
   std::shared_ptr<PagePool> pool(new PagePool(std::move(backend), config));
   pool->mapper_.start(pool);
   {
@@ -53,9 +148,18 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
       unmapped_(std::max<int64_t>(page_count(config), 1)),
       reserve_(std::max<int64_t>(page_count(config), 1)),
       with_free_(std::max<int64_t>(page_count(config), 1)) {
-  const int64_t bpp = config.blocks_per_page;
-  if (config.num_blocks <= 0 || bpp <= 0) throw std::invalid_argument("empty pool");
-  const int64_t num_pages = (config.num_blocks + bpp - 1) / bpp;
+  const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
+  const int64_t num_pages = page_count(config);
+  if (num_pages <= 0) {
+    throw std::invalid_argument("empty pool: num_blocks " + std::to_string(config.num_blocks) +
+                                ", block_bytes " + std::to_string(block_bytes) +
+                                ", page_bytes " + std::to_string(page_bytes));
+  }
+  if (config.block_bytes > 0 && config.blocks_per_page != 0) {
+    throw std::invalid_argument("give blocks_per_page or block_bytes and page_bytes, not both");
+  }
+  block_bytes_ = block_bytes;
+  page_bytes_ = page_bytes;
   if (num_pages > backend_->num_pages()) {
     throw std::invalid_argument("pool needs more pages than the backend reserved");
   }
@@ -65,7 +169,19 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
   }
   pages_.resize(num_pages);
   for (int64_t p = 0; p < num_pages; ++p) {
-    pages_[p].num_blocks = static_cast<int32_t>(std::min(bpp, config.num_blocks - p * bpp));
+    const auto [first, end] = page_blocks(p, block_bytes_, page_bytes_, config.num_blocks);
+    if (end - first > INT32_MAX) throw std::invalid_argument("too many blocks in a page");
+    if (end == first) {
+      throw std::invalid_argument("page " + std::to_string(p) + " of " +
+                                  std::to_string(page_bytes_) + " bytes holds no whole block of " +
+                                  std::to_string(block_bytes_) + " bytes");
+    }
+    pages_[p].first_block = first;
+    pages_[p].num_blocks = static_cast<int32_t>(end - first);
+    usable_blocks_ += end - first;
+    if (p < num_pages - 1 || num_pages == 1) {
+      min_page_blocks_ = p == 0 ? end - first : std::min(min_page_blocks_, end - first);
+    }
     unmapped_.insert(p);
   }
   count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
@@ -86,6 +202,22 @@ int64_t PagePool::headroom_pages() const {
   const int64_t committed = count_[(int)PageState::kMapping] + count_[(int)PageState::kFree] +
                             count_[(int)PageState::kInUse] + count_[(int)PageState::kUnmapping];
   return config_.limit_pages - committed;
+}
+
+int64_t PagePool::limit_blocks(int64_t limit_pages) const {
+  // Note [Blocks and pages]: what any limit_pages pages hold, so a request within it is served
+  // whichever pages are mapped (the short last page is swapped out for a full one: plan_maps).
+  const int64_t num_pages = static_cast<int64_t>(pages_.size());
+  if (limit_pages >= num_pages) return usable_blocks_;
+  return limit_pages * min_page_blocks_;
+}
+
+int64_t PagePool::page_of(int64_t block) const {
+  if (block < 0 || block >= config_.num_blocks) return -1;
+  const int64_t page = block * block_bytes_ / page_bytes_;
+  if (page >= static_cast<int64_t>(pages_.size())) return -1;
+  const Page& p = pages_[page];
+  return block - p.first_block < p.num_blocks ? page : -1;
 }
 
 int64_t PagePool::available_to_newcomer() const {
@@ -126,13 +258,12 @@ std::vector<int64_t> PagePool::take_blocks(int64_t n) {
   // Lowest page first, so that high pages empty out and can be unmapped.
   std::vector<int64_t> out;
   out.reserve(n);
-  const int64_t bpp = config_.blocks_per_page;
   while (static_cast<int64_t>(out.size()) < n) {
     const int64_t page = with_free_.first();
     Page& p = pages_[page];
     if (p.used == 0) set_state(page, PageState::kInUse);
     while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {
-      const int64_t block = page * bpp + p.free_slots.back();
+      const int64_t block = p.first_block + p.free_slots.back();
       p.free_slots.pop_back();
       block_used_[block] = 1;
       out.push_back(block);
@@ -179,7 +310,7 @@ void PagePool::drop_fences(const std::vector<int64_t>& pages) {
     for (uintptr_t fence : pages_[page].fences) {
       if (--fence_refs_[fence] == 0) {
         fence_refs_.erase(fence);
-        backend_->release_fence(fence);
+        unused_fences_.push_back(fence);  // released after unlocking
       }
     }
     pages_[page].fences.clear();
@@ -197,6 +328,8 @@ std::vector<int64_t> PagePool::highest_reserve(int64_t max_pages) const {
 }
 
 void PagePool::push_job(Job job) {
+  job.seq = next_job_seq_++;
+  (job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_).insert(job.seq);
   jobs_[job.deadline].push_back(std::move(job));
   mapper_.wake();
 }
@@ -222,11 +355,9 @@ void PagePool::plan_maps() {
     // the limit. Parked in the reserve at the limit, it would keep a waiter that fits the limit
     // from ever being served: give it back, and the full page that replaces it follows.
     const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
-    if (pages_[last].num_blocks < config_.blocks_per_page &&
+    if (pages_[last].num_blocks < min_page_blocks_ &&
         pages_[last].state == PageState::kFree && !unmapped_.empty()) {
-      const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(config_.default_timeout_s));
-      push_job(make_unmap_job({last}, 0, deadline));
+      push_job(make_unmap_job({last}, 0, deadline_after(config_.default_timeout_s)));
     }
     return;  // otherwise: waiting for blocks to be freed
   }
@@ -242,7 +373,7 @@ void PagePool::plan_maps() {
 }
 
 void PagePool::plan_refill() {
-  if (closed_ || config_.reserve_high == 0) return;
+  if (closed_ || refill_paused_ || config_.reserve_high == 0) return;
   const int64_t have = count_[(int)PageState::kFree] + refill_pages_;
   if (have >= config_.reserve_low) return;
   const int64_t want = std::min(config_.reserve_high - have, headroom_pages());
@@ -250,9 +381,7 @@ void PagePool::plan_refill() {
   std::vector<int64_t> pages = claim_unmapped(INT64_MAX, want);
   if (pages.empty()) return;
   refill_pages_ += static_cast<int64_t>(pages.size());
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(config_.default_timeout_s));
-  push_job({JobKind::kRefill, 0, std::move(pages), deadline});
+  push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
 }
 
 void PagePool::plan_unmaps() {
@@ -263,9 +392,7 @@ void PagePool::plan_unmaps() {
   const int64_t excess = std::min(reserve, std::max(reserve - config_.reserve_high, over_limit));
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(config_.default_timeout_s));
-  push_job(make_unmap_job(std::move(pages), 0, deadline));
+  push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -275,12 +402,17 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  const int64_t limit_blocks = config_.limit_pages * config_.blocks_per_page;
-  if (n > config_.num_blocks || n > limit_blocks) {
+  refill_paused_ = false;  // demand again (Note [Trim])
+  const int64_t limit = limit_blocks(config_.limit_pages);
+  if (n > usable_blocks_ || n > limit) {
+    const int64_t lost = config_.num_blocks - usable_blocks_;
     throw OutOfBlocksError(
         "alloc of " + std::to_string(n) + " blocks can never fit: capacity is " +
-        std::to_string(config_.num_blocks) + " blocks and the memory limit allows " +
-        std::to_string(std::min(limit_blocks, config_.num_blocks)) +
+        std::to_string(usable_blocks_) + " blocks" +
+        (lost > 0 ? " (" + std::to_string(lost) + " of the " + std::to_string(config_.num_blocks) +
+                        " ids lie across page boundaries)"
+                  : std::string()) +
+        " and the memory limit allows " + std::to_string(std::min(limit, usable_blocks_)) +
         "; raise max_blocks or memory_limit, or allocate fewer blocks at a time");
   }
   if (n <= available_to_newcomer()) {
@@ -291,9 +423,7 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   const int64_t id = next_request_id_++;
   // A negative deadline means "now + default_timeout": the hot path need not read the clock.
   const Clock::time_point deadline =
-      deadline_s < 0 ? Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                          std::chrono::duration<double>(config_.default_timeout_s))
-                     : to_time_point(deadline_s);
+      deadline_s < 0 ? deadline_after(config_.default_timeout_s) : to_time_point(deadline_s);
   waiters_.push_back({id, n, deadline});
   waiting_blocks_ += n;
   plan_maps();
@@ -305,6 +435,7 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
+  refill_paused_ = false;  // demand again (Note [Trim])
   if (n > available_to_newcomer()) {
     plan_refill();  // so that a later attempt may find the blocks mapped
     return std::nullopt;
@@ -315,7 +446,7 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
 }
 
 void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  FenceReleasingLock lock(*this);
   // Validate everything before changing anything: mark each block 2 ("seen") on the way, undo.
   for (size_t i = 0; i < blocks.size(); ++i) {
     const int64_t block = blocks[i];
@@ -323,14 +454,16 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
     const uint8_t state = in_range ? block_used_[block] : 0;
     if (state != 1) {
       for (size_t j = 0; j < i; ++j) block_used_[blocks[j]] = 1;
-      if (fence != 0) backend_->release_fence(fence);  // we own it, and nothing will use it
+      if (fence != 0) unused_fences_.push_back(fence);  // we own it, and nothing will use it
       if (!in_range) {
         throw std::invalid_argument("free: block id " + std::to_string(block) +
                                     " is out of range [0, " + std::to_string(config_.num_blocks) +
                                     "); nothing was freed");
       }
-      throw std::invalid_argument("free: block " + std::to_string(block) +
-                                  (state == 2 ? " appears twice" : " is not allocated") +
+      const char* why = state == 2            ? " appears twice"
+                        : page_of(block) < 0    ? " is never allocated: it lies across a page boundary"
+                                                : " is not allocated";
+      throw std::invalid_argument("free: block " + std::to_string(block) + why +
                                   "; nothing was freed");
     }
     block_used_[block] = 2;
@@ -339,23 +472,22 @@ void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
     // The pages are gone (or going) with the allocator: record the blocks as freed, nothing more.
     for (int64_t block : blocks) block_used_[block] = 0;
     used_blocks_ -= static_cast<int64_t>(blocks.size());
-    if (fence != 0) backend_->release_fence(fence);
+    if (fence != 0) unused_fences_.push_back(fence);
     return;
   }
-  const int64_t bpp = config_.blocks_per_page;
   for (int64_t block : blocks) {
     block_used_[block] = 0;
-    const int64_t page = block / bpp;
+    const int64_t page = block * block_bytes_ / page_bytes_;  // allocated: whole in this page
     Page& p = pages_[page];
     if (fence != 0 && (p.fences.empty() || p.fences.back() != fence)) {
       p.fences.push_back(fence);
       ++fence_refs_[fence];
     }
-    p.free_slots.push_back(static_cast<int32_t>(block % bpp));
+    p.free_slots.push_back(static_cast<int32_t>(block - p.first_block));
     if (p.free_slots.size() == 1) with_free_.insert(page);
     if (--p.used == 0) set_state(page, PageState::kFree);
   }
-  if (fence != 0 && fence_refs_.count(fence) == 0) backend_->release_fence(fence);  // no blocks
+  if (fence != 0 && fence_refs_.count(fence) == 0) unused_fences_.push_back(fence);  // no blocks
   const int64_t n = static_cast<int64_t>(blocks.size());
   used_blocks_ -= n;
   free_blocks_ += n;
@@ -388,7 +520,14 @@ std::optional<std::string> PagePool::cancel(int64_t request_id, bool timed_out) 
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = std::find_if(waiters_.begin(), waiters_.end(),
                          [&](const Waiter& w) { return w.id == request_id; });
-  if (it == waiters_.end()) return std::nullopt;
+  if (it == waiters_.end()) {
+    // A trim given up: forget it (its unmaps, if any, still run). The caller describes the wait
+    // from the mapper's current op.
+    trims_.erase(std::remove_if(trims_.begin(), trims_.end(),
+                                [&](const PendingTrim& t) { return t.id == request_id; }),
+                 trims_.end());
+    return std::nullopt;
+  }
   std::string what = describe_wait(*it);
   waiting_blocks_ -= it->n;
   waiters_.erase(it);
@@ -410,10 +549,81 @@ void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const st
 int64_t PagePool::trim(double deadline_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  if (reserve_.empty() || !waiters_.empty()) return 0;
-  const int64_t id = next_request_id_++;
-  push_job(make_unmap_job(highest_reserve(reserve_.size()), id, to_time_point(deadline_s)));
-  return id;
+  // Note [Trim]: no refill until the next alloc, and a refill not started yet never starts.
+  refill_paused_ = true;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    std::vector<Job>& queued = it->second;
+    for (size_t k = 0; k < queued.size();) {
+      if (queued[k].kind == JobKind::kRefill) {
+        revert_job(queued[k]);
+        queued.erase(queued.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        ++k;
+      }
+    }
+    it = queued.empty() ? jobs_.erase(it) : std::next(it);
+  }
+  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0};
+  if (trim_done(trim)) return 0;
+  trims_.push_back(trim);
+  return trim.id;
+}
+
+bool PagePool::trim_done(PendingTrim& trim) {
+  if (!trim.swept) {
+    // Unmap the reserve now, and again each time a map queued before the trim lands (Note
+    // [Trim]); so a trim ends after a bounded number of sweeps even while frees go on. Free
+    // blocks go to waiters first: a reserve that a waiter counts on stays.
+    if (waiters_.empty() && !reserve_.empty()) {
+      push_job(make_unmap_job(highest_reserve(reserve_.size()), trim.id, trim.deadline));
+      ++trim.unmap_jobs;
+    }
+    if (!maps_in_flight_.empty() && *maps_in_flight_.begin() < trim.before_seq) return false;
+    trim.swept = true;
+    trim.unmaps_before_seq = next_job_seq_;
+  }
+  // And the memory is given back: every unmap queued up to the last sweep (the trim's own, and
+  // those planned as the maps it waited for landed) is done.
+  const bool unmapping =
+      !unmaps_in_flight_.empty() && *unmaps_in_flight_.begin() < trim.unmaps_before_seq;
+  return trim.unmap_jobs == 0 && !unmapping;
+}
+
+void PagePool::settle_trims() {
+  const auto now = Clock::now();
+  for (size_t k = 0; k < trims_.size();) {
+    PendingTrim& trim = trims_[k];
+    if (trim_done(trim)) {
+      completions_.push({trim.id, CompletionStatus::kOk, {}, {}});
+    } else if (trim.deadline <= now && trim.unmap_jobs == 0) {
+      // Normally cancelled by the caller's timer first; this bounds a trim nobody cancels.
+      completions_.push({trim.id, CompletionStatus::kMapError, {},
+                         "trim: its deadline passed while maps queued before it were in flight"});
+    } else {
+      ++k;
+      continue;
+    }
+    trims_.erase(trims_.begin() + static_cast<std::ptrdiff_t>(k));
+  }
+}
+
+bool PagePool::finish_trim_unmap(int64_t request_id, const BackendResult& result) {
+  auto it = std::find_if(trims_.begin(), trims_.end(),
+                         [&](const PendingTrim& t) { return t.id == request_id; });
+  if (it == trims_.end()) return false;
+  --it->unmap_jobs;
+  if (!result.ok) {  // pages stayed mapped: the trim failed, whatever its other unmaps do
+    completions_.push({request_id, CompletionStatus::kMapError, {}, result.error});
+    trims_.erase(it);
+  }
+  return true;  // settle_trims completes it once nothing is left to wait for
+}
+
+void PagePool::job_left_flight(const Job& job) {
+  std::multiset<int64_t>& in_flight =
+      job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_;
+  auto it = in_flight.find(job.seq);
+  if (it != in_flight.end()) in_flight.erase(it);
 }
 
 int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
@@ -421,14 +631,14 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   config_.limit_pages = limit_pages;
-  const int64_t limit_blocks = limit_pages * config_.blocks_per_page;
+  const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
-    if (w.n > limit_blocks) too_big.push_back(w.id);
+    if (w.n > limit) too_big.push_back(w.id);
   }
   for (int64_t id : too_big) {
     fail_waiter(id, CompletionStatus::kOutOfBlocks,
-                "the memory limit was lowered to " + std::to_string(limit_blocks) +
+                "the memory limit was lowered to " + std::to_string(limit) +
                     " blocks, fewer than this request needs");
   }
   serve_waiters();
@@ -443,7 +653,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
 
 bool PagePool::close(double timeout_s) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    FenceReleasingLock lock(*this);
     if (closed_) return mapper_.joined();
     closed_ = true;
     // An idle mapper wakes at once when told to stop: give it a moment even at timeout 0, so
@@ -458,6 +668,10 @@ bool PagePool::close(double timeout_s) {
     }
     waiters_.clear();
     waiting_blocks_ = 0;
+    for (const PendingTrim& trim : trims_) {
+      completions_.push({trim.id, CompletionStatus::kClosed, {}, "the allocator was closed"});
+    }
+    trims_.clear();
   }
   const bool joined = mapper_.stop_and_join(timeout_s);
   if (!joined) return false;  // the thread still owns the backend: leave the mappings alone
@@ -478,14 +692,26 @@ bool PagePool::close(double timeout_s) {
   // The mapper is gone, so this thread is the backend's only caller now; the lock is not held
   // across these calls. Note [Unmap safety]: device work still using a page must finish first,
   // within the timeout; otherwise the mappings stay (and go with the backend).
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
+  const auto deadline = deadline_after(timeout_s);
   bool idle = true;
-  for (uintptr_t fence : fences) idle = backend_->wait_fence(fence, deadline).ok && idle;
-  if (idle) {
-    for (int64_t page : unmapping) backend_->unmap(page, 1);  // views over them now fault
+  // A backend exception is a failure here too (DESIGN.md): the pool must still end closed.
+  for (uintptr_t fence : fences) {
+    try {
+      idle = backend_->wait_fence(fence, deadline).ok && idle;
+    } catch (...) {
+      idle = false;
+    }
   }
-  std::lock_guard<std::mutex> lock(mutex_);
+  if (idle) {
+    for (int64_t page : unmapping) {
+      try {
+        backend_->unmap(page, 1);  // views over them now fault
+      } catch (...) {
+        // Left mapped: the backend's reservation goes with it.
+      }
+    }
+  }
+  FenceReleasingLock lock(*this);
   for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
   drop_fences(unmapping);
   return true;
@@ -505,6 +731,7 @@ void PagePool::revert_job(const Job& job) {
     }
   }
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
+  job_left_flight(job);
 }
 
 std::vector<Job> PagePool::next_batch() {
@@ -522,13 +749,17 @@ std::vector<Job> PagePool::next_batch() {
     ++dropped_jobs_;
     revert_job(job);
     if (job.request_id != 0 && job.kind == JobKind::kUnmap) {
-      completions_.push({job.request_id, CompletionStatus::kMapError, {},
-                         "unmap job dropped: its deadline passed before the mapper reached it"});
+      const BackendResult dropped = BackendResult::failure(
+          "unmap job dropped: its deadline passed before the mapper reached it");
+      if (!finish_trim_unmap(job.request_id, dropped)) {
+        completions_.push({job.request_id, CompletionStatus::kMapError, {}, dropped.error});
+      }
     }
   }
   if (!expired.empty()) {
     serve_waiters();
     plan_maps();  // new jobs, if any, have a deadline still ahead
+    settle_trims();
   }
   std::vector<Job> batch;
   if (jobs_.empty()) return batch;
@@ -575,7 +806,7 @@ Job merge_jobs(const std::vector<Job>& jobs) {
 
 void PagePool::finish_job(const Job& job, const BackendResult& result,
                           const std::vector<int64_t>& still_mapped) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  FenceReleasingLock lock(*this);
   current_job_.reset();
   const int64_t num_pages = static_cast<int64_t>(job.pages.size());
   if (!result.ok) {
@@ -596,8 +827,9 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
       }
     }
     drop_fences(unmapped);
+    job_left_flight(job);
     unmaps_done_ += static_cast<int64_t>(unmapped.size());
-    if (job.request_id != 0) {
+    if (job.request_id != 0 && !finish_trim_unmap(job.request_id, result)) {
       completions_.push({job.request_id,
                          result.ok ? CompletionStatus::kOk : CompletionStatus::kMapError, {},
                          result.error});
@@ -610,8 +842,23 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     }
     if (job.kind == JobKind::kRefill) refill_pages_ -= num_pages;
     maps_done_ += num_pages;
+    job_left_flight(job);
   } else {
-    revert_job(job);
+    // Pages whose rollback unmap failed too are still mapped: they join the reserve, counted as
+    // mapped (a later unmap retries them). Only the others go back to unmapped.
+    Job rolled_back = job;
+    rolled_back.pages.clear();
+    for (int64_t page : job.pages) {
+      if (!std::binary_search(still_mapped.begin(), still_mapped.end(), page)) {
+        rolled_back.pages.push_back(page);
+        continue;
+      }
+      set_state(page, PageState::kFree);
+      add_mapped_blocks(page);
+      if (job.kind == JobKind::kMapForRequest) incoming_for_waiters_ -= pages_[page].num_blocks;
+      if (job.kind == JobKind::kRefill) --refill_pages_;
+    }
+    revert_job(rolled_back);
     if (job.kind == JobKind::kMapForRequest) {
       fail_waiter(job.request_id, CompletionStatus::kMapError,
                   "mapping " + std::to_string(num_pages) + " page(s) failed: " + result.error);
@@ -625,6 +872,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   // Not after a failed unmap: its pages went back to the reserve, and retrying them at once
   // would spin on a driver that keeps refusing. The next free or map retries.
   if (result.ok || job.kind != JobKind::kUnmap) plan_unmaps();
+  settle_trims();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -650,6 +898,8 @@ PoolStats PagePool::stats() const {
   s.dropped_jobs = dropped_jobs_;
   s.timeouts = timeouts_;
   s.limit_pages = config_.limit_pages;
+  s.limit_blocks = limit_blocks(config_.limit_pages);
+  s.unusable_blocks = config_.num_blocks - usable_blocks_;
   s.mapper_op_age_s = 0.0;
   if (current_job_) {
     s.mapper_op = std::string(job_name(current_job_->kind)) + " of " +

@@ -40,6 +40,36 @@
 // earliest first. A job whose deadline has passed is dropped before it reaches the backend and its
 // pages go back to their previous state. Nothing here waits: the pool's mutex is held for
 // bookkeeping only, never across a backend call, and there is no condition variable.
+//
+// Note [Trim]
+// ~~~~~~~~~~~
+// trim() promises: once its barrier completes, no page is mapped-free unless a request mapped it
+// since (or a waiter counts on it). So it cannot look at the reserve alone: a map already queued
+// or running when trim() is called (the refill started at open, a map for a waiter that a free
+// served first) lands in the reserve afterwards. Every job gets a sequence number when queued; a
+// trim records the next one and unmaps the reserve at once and again each time a map queued
+// before it lands; it completes when none is left in flight and the unmaps queued up to its last
+// sweep are done: the memory is given back (a bounded number of sweeps, even while frees go on). A refill not yet started is dropped at
+// once, and the reserve stays empty (no refill is planned) until the next alloc: demand again.
+//
+// Note [Fences outside the lock]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Releasing a fence is a driver call (cuEventDestroy on cuda), so it never happens under mutex_:
+// the code holding the lock only collects fences no page holds any more (unused_fences_), and
+// FenceReleasingLock releases them after unlocking, on every exit path, exceptions included.
+// Note [Blocks and pages]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Block i sits at byte i * block_bytes of every range (one fixed stride, so that a range is one
+// [num_blocks, ...] tensor) and page p covers bytes [p * page_bytes, (p + 1) * page_bytes).
+// When page_bytes is not a multiple of block_bytes, a block can straddle a page boundary: such a
+// block would need two pages mapped and would pin both, so it is never handed out (at most one
+// per page boundary). Page p holds the whole blocks [first_block, first_block + num_blocks);
+// block -> page is one division (block * block_bytes / page_bytes), and the block after a page's
+// last whole block is its straddler. The memory limit promises `limit_pages * min_page_blocks`
+// blocks (the fewest any full page holds): requests above that are refused at once, so no waiter
+// ever depends on which pages happen to be mapped. kvasync's layout picks page sizes that lose
+// at most 1/32 of the memory this way (KVLayout.page_unit).
+//
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
@@ -50,6 +80,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <variant>
 #include <vector>
@@ -68,11 +99,15 @@ enum class JobKind : uint8_t { kMapForRequest, kRefill, kUnmap };
 
 struct PoolConfig {
   int64_t num_blocks = 0;
-  int64_t blocks_per_page = 0;
+  int64_t blocks_per_page = 0;  // pages hold exactly this many blocks; 0 with block_bytes
   int64_t limit_pages = 0;  // physical budget, in page ids
   int64_t reserve_low = 0;
   int64_t reserve_high = 0;
   double default_timeout_s = 5.0;
+  // Note [Blocks and pages]: with block_bytes > 0, a block takes block_bytes in each range and a
+  // page page_bytes, which need not be a multiple of it.
+  int64_t block_bytes = 0;
+  int64_t page_bytes = 0;
 };
 
 struct Job {
@@ -81,6 +116,7 @@ struct Job {
   std::vector<int64_t> pages;  // ascending
   Clock::time_point deadline;
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
+  int64_t seq = 0;                // queue order (Note [Trim]); set by push_job
 };
 
 // One job holding the pages of `jobs` (map jobs, run as one batch).
@@ -91,6 +127,8 @@ struct PoolStats {
       unmapping_pages, unmapped_pages, waiters, queued_jobs, mapper_batches, maps_done, unmaps_done,
       map_errors,
       dropped_jobs, timeouts, limit_pages;
+  int64_t limit_blocks;     // blocks the memory limit promises (Note [Blocks and pages])
+  int64_t unusable_blocks;  // ids in range(num_blocks) never handed out: across a page boundary
   std::string mapper_op;  // empty when idle
   double mapper_op_age_s;
   std::string last_error;
@@ -125,6 +163,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
 
   PoolStats stats() const;
   bool is_allocated(int64_t block) const;
+  // The page holding block `block` whole, or -1 (across a page boundary, or out of range).
+  int64_t page_of(int64_t block) const;
   const Backend& backend() const { return *backend_; }
   const PoolConfig& config() const { return config_; }
 
@@ -132,7 +172,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // earliest job, plus every other queued map when it maps); empty when there is none.
   static constexpr int64_t kMaxBatchPages = 512;
   std::vector<Job> next_batch();
-  // `still_mapped`: pages of an unmap job whose runs failed (ascending); empty otherwise.
+  // `still_mapped`: pages the job leaves mapped though it failed (ascending): the failed runs of
+  // an unmap, or the runs of a failed map whose rollback unmap failed too. Empty otherwise.
   void finish_job(const Job& job, const BackendResult& result,
                   const std::vector<int64_t>& still_mapped);
   Backend& mutable_backend() { return *backend_; }
@@ -142,7 +183,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
 
   struct Page {
     PageState state = PageState::kUnmapped;
-    int32_t num_blocks = 0;  // blocks of this page inside num_blocks (the last page may be short)
+    int64_t first_block = 0;  // Note [Blocks and pages]
+    int32_t num_blocks = 0;   // whole blocks of this page inside num_blocks (the last may be short)
     int32_t used = 0;
     std::vector<int32_t> free_slots;  // stack of free block slots while mapped
     std::vector<uintptr_t> fences;    // Note [Unmap safety]
@@ -153,8 +195,26 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     Clock::time_point deadline;
   };
 
+  struct PendingTrim {  // Note [Trim]
+    int64_t id;
+    int64_t before_seq;  // waits for the maps queued before this
+    Clock::time_point deadline;
+    int64_t unmap_jobs;  // its unmap jobs still queued or running
+    bool swept;          // the maps it waited for have landed and their pages were unmapped
+    int64_t unmaps_before_seq;  // once swept: waits for the unmaps queued before this
+  };
+  class FenceReleasingLock;  // Note [Fences outside the lock]
+
+  // Fails before any allocation when the bookkeeping of `config` would cost too much memory.
+  static void check_capacity(const PoolConfig& config);
+
   // All of these run with mutex_ held.
+  bool trim_done(PendingTrim& trim);
+  void settle_trims();
+  bool finish_trim_unmap(int64_t request_id, const BackendResult& result);
+  void job_left_flight(const Job& job);
   int64_t headroom_pages() const;
+  int64_t limit_blocks(int64_t limit_pages) const;
   int64_t available_to_newcomer() const;
   std::vector<int64_t> take_blocks(int64_t n);
   void serve_waiters();
@@ -182,6 +242,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   mutable std::mutex mutex_;
   bool closed_ = false;
   std::vector<Page> pages_;
+  int64_t block_bytes_ = 1, page_bytes_ = 1;  // Note [Blocks and pages]
+  int64_t min_page_blocks_ = 0;               // fewest blocks of a page other than the last
+  int64_t usable_blocks_ = 0;                 // blocks of all pages
   std::vector<uint8_t> block_used_;
   PageSet unmapped_;                  // kUnmapped page ids
   PageSet reserve_;                   // kFree page ids
@@ -201,6 +264,12 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
   Clock::time_point current_job_start_;
+  std::vector<uintptr_t> unused_fences_;  // Note [Fences outside the lock]
+  std::vector<PendingTrim> trims_;        // Note [Trim]
+  std::multiset<int64_t> maps_in_flight_;    // seq of every queued or running map job
+  std::multiset<int64_t> unmaps_in_flight_;  // and unmap job
+  int64_t next_job_seq_ = 1;
+  bool refill_paused_ = false;  // by a trim, until the next alloc
 };
 
 }  // namespace kvasync

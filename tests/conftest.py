@@ -42,10 +42,47 @@ def backend_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def small_layout() -> kvasync.KVLayout:
-    """4 layers, K and V, 16 tokens x 2 heads x 64 x fp16: 4 KiB blocks, 512 per 2 MiB page."""
-    return kvasync.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)
+SMALL_LAYOUTS = {
+    # 4 KiB blocks, 512 per 2 MiB page.
+    "pow2": kvasync.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16),
+    # DeepSeek-V3's MLA latent cache: 18432-byte blocks, 113.8 per 2 MiB page.
+    "mla576-bf16": kvasync.KVLayout(
+        num_layers=4,
+        num_kv_heads=1,
+        head_dim=576,
+        block_size=16,
+        dtype=torch.bfloat16,
+        kv_buffers=1,
+    ),
+    # Phi-2's head_dim, fewer heads: 5120-byte blocks, 409.6 per 2 MiB page.
+    "hd80": kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=80, block_size=16),
+}
+
+
+@pytest.fixture(params=list(SMALL_LAYOUTS))
+def small_layout(request: pytest.FixtureRequest) -> kvasync.KVLayout:
+    """Small per-layer layouts: one whose blocks fill a 2 MiB page exactly and two whose blocks
+    do not (a block id per page boundary is never handed out)."""
+    return SMALL_LAYOUTS[request.param]
+
+
+def whole_blocks(layout: kvasync.KVLayout, page_size: int, num_blocks: int) -> list[int]:
+    """The ids of ``range(num_blocks)`` that lie inside one page of ``layout.page_unit(page_size)``
+    bytes: the ids an allocator hands out, lowest first (worked out from the byte offsets)."""
+    unit, stride = layout.page_unit(page_size), layout.range_block_bytes
+    return [i for i in range(num_blocks) if i * stride // unit == ((i + 1) * stride - 1) // unit]
+
+
+def blocks_per_page(layout: kvasync.KVLayout, page_size: int, num_blocks: int) -> int:
+    """The fewest whole blocks a page other than the last holds: what each page of a memory
+    limit promises."""
+    unit = layout.page_unit(page_size)
+    counts: dict[int, int] = {}
+    for i in whole_blocks(layout, page_size, num_blocks):
+        page = i * layout.range_block_bytes // unit
+        counts[page] = counts.get(page, 0) + 1
+    pages = sorted(counts)
+    return min(counts[p] for p in (pages[:-1] or pages))
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

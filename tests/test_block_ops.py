@@ -223,6 +223,10 @@ ODD_SHAPES = {
     "loop_of_chunks": (1, 2, 3, (16, 2, 128), torch.float32),  # 16 KiB: four unmasked chunks
     "loop_with_mask": (1, 1, 3, (1, 1, 4100), torch.float16),  # 8200 bytes: masked chunks
     "chunks_of_2k": (1, 1, 3, (16, 2, 80), torch.float32),  # 10 KiB: five 2 KiB chunks
+    # Real models' blocks at block_size 16: not powers of two, yet multiples of 16 bytes.
+    "mla_576_bf16": (2, 1, 3, (16, 1, 576), torch.bfloat16),  # DeepSeek-V3: 18432 bytes
+    "phi2_32x80": (1, 2, 2, (16, 32, 80), torch.float16),  # 81920 bytes
+    "phi3_32x96": (1, 1, 2, (16, 32, 96), torch.float16),  # 98304 bytes
 }
 
 
@@ -422,25 +426,43 @@ def test_error_names_at_most_eight_ids() -> None:
 # --- the allocator's own memory ----------------------------------------------------------------
 
 
+ALLOCATOR_GEOMETRIES = {
+    # name: (num_kv_heads, head_dim, block_size, dtype, kv_buffers)
+    # 512-byte blocks (4 KiB across layers): a whole number of them in a 2 MiB page.
+    "pow2": (2, 64, 2, torch.float16, 2),
+    # MLA's 18432-byte blocks: a block id per page boundary is never handed out.
+    "mla576": (1, 576, 16, torch.bfloat16, 1),
+    # 480-byte blocks: 16-byte aligned but no power of two, odd head count.
+    "3x80": (3, 80, 1, torch.float16, 2),
+}
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("contiguous", [False, True], ids=["per-layer", "contiguous"])
+@pytest.mark.parametrize("geometry", list(ALLOCATOR_GEOMETRIES))
 async def test_block_ops_on_the_allocators_host_mapped_memory(
-    engine: str, contiguous: bool
+    engine: str, contiguous: bool, geometry: str
 ) -> None:
     # Only allocated blocks are mapped: touching any other one faults, so this also pins that an
     # unallocated id is refused before anything touches memory.
     from kvasync import Config, KVLayout, open_allocator
 
-    # 512-byte blocks (4 KiB across layers): a whole number of them in a 2 MiB page.
+    heads, head_dim, block_size, dtype, kv_buffers = ALLOCATOR_GEOMETRIES[geometry]
     layout = KVLayout(
-        num_layers=4, num_kv_heads=2, head_dim=64, block_size=2, contiguous=contiguous
+        num_layers=4,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        kv_buffers=kv_buffers,
+        contiguous=contiguous,
     )
     async with open_allocator(layout, Config(backend="host", max_blocks=4096)) as kv:
         ids = await kv.alloc(4)
         buffers = [b for i in range(4) for b in kv.layer(i)]
         allocated = allocated_only(set(ids))
-        kw: dict[str, object] = {"kv_buffers": 2, "is_allocated": allocated}
-        src = random_tensor((4, 4, 2, 2, 2, 64), torch.float16, "cpu")
+        kw: dict[str, object] = {"kv_buffers": kv_buffers, "is_allocated": allocated}
+        src = random_tensor((4, 4, kv_buffers, block_size, heads, head_dim), dtype, "cpu")
         _block_ops.scatter(buffers, ids, src, **kw)
         assert torch.equal(bits(_block_ops.gather(buffers, ids, **kw)), bits(src))
         _block_ops.copy(buffers, ids[:1], ids[1:2], **kw)

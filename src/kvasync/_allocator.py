@@ -21,8 +21,9 @@ answers (a hung driver call), and close() waits for the mapper thread at most it
 from __future__ import annotations
 
 import asyncio
-import math
-import operator
+import contextlib
+import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from . import _core
+from . import _core, _validate
 from ._backends import buffer_views, create_backend, make_fence
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
@@ -39,8 +40,12 @@ from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
 
+_logger = logging.getLogger("kvasync")
+
 # Completion statuses (csrc/completion_queue.h).
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
+# What close() allows, beyond its timeout, for the unmaps that follow the mapper's join.
+_CLOSE_GRACE_S = 5.0
 
 
 @dataclass
@@ -51,12 +56,14 @@ class _Pending:
     started: float
 
 
-def _check_count(n: int) -> int:
-    if type(n) is not int:
-        n = operator.index(n)
-    if n <= 0:
-        raise ValueError(f"the number of blocks must be positive, got {n}")
-    return n
+def _check_count(n: object, capacity: int) -> int:
+    count = _validate.count(n, "n (the number of blocks)")
+    if count > capacity:
+        # Before the pool: a count past int64 would otherwise reach pybind11 (issue 7).
+        raise OutOfBlocks(
+            f"alloc of n={count} blocks can never fit: capacity is {capacity} blocks (max_blocks)"
+        )
+    return count
 
 
 class Allocator:
@@ -80,26 +87,32 @@ class Allocator:
             ValueError: the layout and config do not fit together.
             KVAsyncError: the backend cannot be used here.
         """
+        _validate.instance(layout, "layout", KVLayout)
+        _validate.instance(config, "config", Config)
+        _validate.instance(loop, "loop", asyncio.AbstractEventLoop)
         self._layout = layout
         self._config = config
         self._loop = loop
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
-        blocks_per_page = layout.blocks_per_page(config.page_size)
-        self._blocks_per_page = blocks_per_page
-        num_pages = -(-config.max_blocks // blocks_per_page)
-        self._page_bytes = config.page_size * layout.num_ranges
+        # Note [Blocks across page boundaries] (_layout.py): the unit may be a multiple of
+        # page_size, and its blocks need not fill it.
+        page_size = layout.page_unit(config.page_size)
+        num_pages = -(-config.max_blocks * layout.range_block_bytes // page_size)
+        self._page_bytes = page_size * layout.num_ranges
         self._num_pages = num_pages
-        self._backend = create_backend(layout, config, num_pages)
+        self._backend = create_backend(layout, config, num_pages, page_size)
         low, high = config.reserve_pages
         self._pool = _core.PagePool(
             self._backend,
             config.max_blocks,
-            blocks_per_page,
+            0,
             self._limit_pages(config.memory_limit),
             low,
             high,
             config.default_timeout,
+            block_bytes=layout.range_block_bytes,
+            page_bytes=page_size,
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
@@ -107,6 +120,7 @@ class Allocator:
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
         loop.add_reader(self._fd, self._on_completions)
+        _log_open(self)
 
     @classmethod
     async def open(cls, layout: KVLayout, config: Config | None = None) -> Allocator:
@@ -120,10 +134,12 @@ class Allocator:
             The allocator. The reserve starts filling in the background; nothing waits for it.
 
         Raises:
+            TypeError: ``layout`` is not a KVLayout, or ``config`` not a Config or None.
             ValueError: the layout and config do not fit together.
             KVAsyncError: the backend cannot be used here.
         """
-        return cls(layout, config or Config(), asyncio.get_running_loop())
+        # Not `config or Config()`: an empty dict would pass as "no config".
+        return cls(layout, Config() if config is None else config, asyncio.get_running_loop())
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -144,14 +160,18 @@ class Allocator:
             ``n`` distinct block ids in ``range(num_blocks)``.
 
         Raises:
-            ValueError: ``n <= 0``, a negative/NaN/infinite timeout, or both timeout and deadline.
+            TypeError: ``n`` is not an int, or ``timeout``/``deadline`` not a number (a bool is
+                neither).
+            ValueError: ``n <= 0``, a negative/NaN/infinite timeout or deadline, or both timeout
+                and deadline. A deadline already past is valid: as with ``timeout=0``, the alloc
+                succeeds if the blocks are mapped and free now, else times out at once.
             OutOfBlocks: ``n`` can never fit (capacity or memory limit), raised at once.
             AllocTimeout: the deadline passed; the message says what it waited for.
             MapError: the backend failed to map the pages this request needed.
             AllocatorClosed: the allocator is (or was, while waiting) closed.
         """
-        if type(n) is not int or n <= 0:
-            n = _check_count(n)
+        if type(n) is not int or not 0 < n <= self._config.max_blocks:
+            n = _check_count(n, self._config.max_blocks)
         if timeout is None and deadline is None:
             # The hot path reads no clock: -1 tells the pool "now + default_timeout".
             result = self._pool.alloc(n, -1.0)
@@ -177,17 +197,18 @@ class Allocator:
             ``n`` distinct block ids.
 
         Raises:
+            TypeError: ``n`` is not an int (or is a bool).
             ValueError: ``n <= 0``.
             WouldBlock: the blocks are not mapped and free now (mapping, if any, is started).
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
-        if type(n) is not int or n <= 0:
-            n = _check_count(n)
+        if type(n) is not int or not 0 < n <= self._config.max_blocks:
+            n = _check_count(n, self._config.max_blocks)
         result = self._pool.alloc_nowait(n)
         if result is None:
             stats = self._pool.stats()
-            limit = min(stats["limit_pages"] * self._blocks_per_page, self.num_blocks)
+            limit = stats["limit_blocks"]
             if n > limit:
                 raise OutOfBlocks(f"alloc of {n} blocks can never fit: the limit is {limit} blocks")
             raise WouldBlock(
@@ -202,14 +223,17 @@ class Allocator:
         """Returns blocks to the pool. Synchronous; never blocks.
 
         Args:
-            ids: allocated block ids.
+            ids: allocated block ids: a sequence of ints, or a 1-D integer tensor or array.
             after: (cuda) a ``torch.cuda.Stream`` or ``torch.cuda.Event``: device work that still
                 reads or writes the blocks. Their pages are not unmapped before it completes.
 
         Raises:
+            TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int.
             ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
                 usable here; nothing is freed then.
         """
+        if type(ids) is not list:  # a list goes straight to the pool, which checks its items
+            ids = _validate.block_ids(ids, "ids")
         if after is None:
             self._pool.free(ids)
         else:
@@ -220,10 +244,17 @@ class Allocator:
     async def trim(self, *, timeout: float | None = None) -> None:
         """Unmaps every mapped-free page now and waits until the memory is given back.
 
+        When it returns, no page is mapped and free unless a request mapped it since (or a
+        waiting request counts on it): maps already under way when it was called (the reserve's
+        refill, a map for a request that a free served first) are waited for and unmapped too.
+        The reserve then stays empty until the next ``alloc`` or ``alloc_nowait``: demand again.
+
         Args:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
 
         Raises:
+            TypeError: ``timeout`` is not a number (or is a bool).
+            ValueError: ``timeout`` is negative, NaN or infinite.
             AllocTimeout: the unmaps did not finish in time.
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
@@ -245,12 +276,14 @@ class Allocator:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
 
         Raises:
-            ValueError: the limit is below one page.
+            TypeError: ``memory_limit`` is not an int or None, or ``timeout`` not a number (a bool
+                is neither).
+            ValueError: the limit is below one page, or a bad timeout.
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
         """
-        if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
-            raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
+        if memory_limit is not None:
+            _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
         request = self._pool.set_limit_pages(self._limit_pages(memory_limit), due)
         if request:
@@ -346,13 +379,15 @@ class Allocator:
         """The KV buffers of one layer: ``(k, v)``, or ``(kv,)`` when ``kv_buffers == 1``.
 
         Each is a view ``[num_blocks, block_size, num_kv_heads, head_dim]`` over the virtual
-        range. Only allocated blocks may be touched: an unmapped block faults, as on a GPU.
+        range, one fixed block stride whatever the geometry. Only allocated blocks may be
+        touched: an unmapped block faults, as on a GPU (and an id across a page boundary is never
+        allocated: Note [Blocks across page boundaries]).
 
         Raises:
+            TypeError: ``index`` is not an int (or is a bool).
             IndexError: no such layer.
         """
-        if not 0 <= index < self._layout.num_layers:
-            raise IndexError(f"layer {index} out of range [0, {self._layout.num_layers})")
+        index = _validate.index(index, "layer index", self._layout.num_layers)
         per = self._layout.kv_buffers
         return tuple(self._buffers[index * per : (index + 1) * per])
 
@@ -378,7 +413,11 @@ class Allocator:
 
     def stats(self) -> AllocatorStats:
         """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
-        return AllocatorStats.from_core(self._pool.stats(), self._page_bytes)
+        return AllocatorStats.from_core(
+            self._pool.stats(),
+            self._page_bytes,
+            self._layout.block_bytes * self._layout.num_buffers,
+        )
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -387,10 +426,15 @@ class Allocator:
 
         Finishes within ``timeout`` even with the mapper stuck in a driver call: the thread is
         then abandoned (it ends by itself when the call returns) and its mappings are left to it.
-        Idempotent.
+        The wait runs on a thread of its own, so a default executor the application keeps busy
+        does not delay it. Idempotent.
 
         Args:
             timeout: seconds to wait for the mapper thread; ``default_timeout`` when None.
+
+        Raises:
+            TypeError: ``timeout`` is not a number (or is a bool).
+            ValueError: ``timeout`` is negative, NaN or infinite.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         if self._closing is None:
@@ -401,14 +445,38 @@ class Allocator:
 
     async def _close(self, wait: float) -> None:
         self._on_completions()  # what completed before the close is delivered as usual
-        # pool.close releases the GIL and waits at most `wait` (more only for an idle mapper,
-        # which stops at once); run it off the loop thread so other tasks keep running.
-        await asyncio.to_thread(self._pool.close, wait)
+        await self._close_pool(wait)
         self._loop.remove_reader(self._fd)
         # Completed during the close: their pages are gone, so they fail too.
         self._on_completions(closed=True)
         for request in list(self._pending):
             self._settle(request, AllocatorClosed("the allocator was closed"), None)
+
+    async def _close_pool(self, wait: float) -> None:
+        # pool.close releases the GIL and waits for the mapper at most `wait` (at least 1 s for
+        # an idle mapper, which stops at once), then unmaps. It runs off the loop thread so other
+        # tasks keep running, on a thread of its own: not asyncio.to_thread, whose executor the
+        # application shares and may have filled with its own work, which would make the close
+        # wait for that work (issue 7). One short-lived thread per close costs nothing that
+        # matters. The loop waits for it with a deadline too; past it the thread is left to end
+        # by itself (it holds the pool alive) and the close goes on.
+        loop = self._loop
+        done: asyncio.Future[None] = loop.create_future()
+
+        def close_pool() -> None:
+            error: BaseException | None = None
+            try:
+                self._pool.close(wait)
+            except BaseException as exc:  # delivered to the awaiting close, not lost here
+                error = exc
+            # RuntimeError: the loop is closed, nobody waits for this close any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, done, error)
+
+        threading.Thread(target=close_pool, name="kvasync-close", daemon=True).start()
+        # A timeout here: the unmaps after the join are stuck in the backend; left to the thread.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), max(wait, 1.0) + _CLOSE_GRACE_S)
 
     async def __aenter__(self) -> Allocator:
         return self
@@ -431,17 +499,14 @@ class Allocator:
 
     @staticmethod
     def _check_timeout(timeout: float) -> float:
-        if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout >= 0):
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
-        return float(timeout)
+        return _validate.seconds(timeout, "timeout")
 
     def _deadline(self, timeout: float | None, deadline: float | None) -> float:
         if timeout is not None and deadline is not None:
             raise ValueError("give either timeout or deadline, not both")
         if deadline is not None:
-            if not (isinstance(deadline, (int, float)) and math.isfinite(deadline)):
-                raise ValueError(f"deadline must be a finite loop.time() value, got {deadline!r}")
-            return float(deadline)
+            # >= 0: a negative value would reach the pool as its "no deadline given" mark.
+            return _validate.deadline(deadline, "deadline")
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         return self._loop.time() + wait
 
@@ -542,8 +607,38 @@ class Allocator:
         return self._kernel_table
 
 
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
 def _none_missing(ids: list[int]) -> list[int]:
     return []
+
+
+def _log_open(kv: Allocator) -> None:
+    """One INFO line at open: where the cache lives and what its geometry costs."""
+    if not _logger.isEnabledFor(logging.INFO):
+        return
+    layout, stats = kv.layout, kv.stats()
+    usable = stats.num_blocks - stats.unusable_blocks
+    _logger.info(
+        "opened: %s layout (%d range(s)), %s backend, page %d bytes per range, capacity %d "
+        "blocks (%d bytes); %d block id(s) across page boundaries never used (%d bytes, %.2f%%)",
+        "contiguous" if layout.contiguous else "per-layer",
+        layout.num_ranges,
+        kv.backend,
+        stats.page_bytes // layout.num_ranges,
+        usable,
+        usable * layout.block_bytes * layout.num_buffers,
+        stats.unusable_blocks,
+        stats.unusable_bytes,
+        100.0 * stats.unusable_blocks / stats.num_blocks,
+    )
 
 
 @asynccontextmanager
@@ -560,6 +655,7 @@ async def open_allocator(
         The open allocator.
 
     Raises:
+        TypeError: ``layout`` is not a KVLayout, or ``config`` not a Config or None.
         ValueError: the layout and config do not fit together.
         KVAsyncError: the backend cannot be used here.
     """

@@ -13,6 +13,9 @@ from ._layout import KVLayout
 __all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
 
 
+_MAX_RANGE_BYTES = 2**63 - 1  # int64: the size type of every backend's range
+
+
 def cuda_driver_error(device: int = 0) -> str | None:
     """Why the cuda backend cannot be used on ``device`` here, or None when it can."""
     return _cuda.driver_problem(device)
@@ -34,23 +37,37 @@ def resolve_backend(config: Config) -> str:
     return "host" if problem is not None else "cuda"
 
 
-def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Backend:
+def create_backend(
+    layout: KVLayout, config: Config, num_pages: int, page_size: int | None = None
+) -> _core.Backend:
     """Reserves the virtual ranges for ``layout``, wrapped by ``config.faults`` if any.
 
+    ``page_size`` (bytes per range of a page id) defaults to ``config.page_size``.
+
     Raises:
-        KVAsyncError: the backend cannot be used here.
+        ValueError: the range's size does not fit in 64 bits (``max_blocks`` far too large).
+        KVAsyncError: the backend cannot be used here (or cannot reserve that much).
     """
+    range_bytes = num_pages * config.page_size
+    if range_bytes > _MAX_RANGE_BYTES:
+        # The backends compute this size in int64: refuse here, before any overflow there.
+        raise ValueError(
+            f"Config.max_blocks={config.max_blocks} needs {num_pages} pages of "
+            f"{config.page_size} bytes, a {range_bytes}-byte range per buffer, beyond 64-bit "
+            "sizes; lower max_blocks"
+        )
     name = resolve_backend(config)
+    page_size = config.page_size if page_size is None else page_size
     backend: _core.Backend
     if name == "host":
-        backend = _core.HostBackend(layout.num_ranges, num_pages, config.page_size)
+        backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
         # The handle pool keeps up to the reserve's high watermark of unmapped handles.
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
-            config.page_size,
+            page_size,
             config.reserve_pages[1],
             config.gpu_utilization,
         )

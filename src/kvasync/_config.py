@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from . import _validate
 
 if TYPE_CHECKING:
     from .testing import FaultInjector
@@ -21,10 +22,16 @@ class Config:
     Args:
         backend: ``"host"`` (memfd + mmap), ``"cuda"`` (CUDA virtual memory) or ``"auto"`` (cuda
             when a driver and a GPU are there, else host).
-        max_blocks: virtual capacity, in blocks. Reserving it costs address space, not memory.
+        max_blocks: virtual capacity, in blocks. Reserving it costs address space, not KV
+            memory; the pool's bookkeeping costs about 1 byte of host RAM per block and 65 per
+            page, and is bounded at 256 MiB (a larger capacity is refused with ValueError at
+            open: lower max_blocks or raise page_size).
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
         page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
-            granularity on cuda, of the OS page on host).
+            granularity on cuda, of the OS page on host). It need not be a multiple of the
+            block: a block id across a page boundary is never handed out, and where that would
+            lose more than 1/32 of it, a page maps the smallest multiple of page_size that loses
+            less (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
@@ -34,7 +41,8 @@ class Config:
             (cuda backend).
 
     Raises:
-        ValueError: any value out of range.
+        TypeError: a value of the wrong type (a bool is not a number here).
+        ValueError: a value out of range.
     """
 
     backend: str = "auto"
@@ -49,32 +57,51 @@ class Config:
     gpu_utilization: float = 0.95
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
+        # ValueError, each naming the field. Numbers are stored as plain int/float (a numpy
+        # integer or a 0-d tensor passes the check, and must not travel further as itself).
+        from . import testing
+
+        def store(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass, still being built
+
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
-        if type(self.max_blocks) is not int or self.max_blocks <= 0:
-            raise ValueError(f"Config.max_blocks must be a positive int, got {self.max_blocks!r}")
-        if self.memory_limit is not None and (
-            type(self.memory_limit) is not int or self.memory_limit <= 0
-        ):
-            raise ValueError(
-                f"Config.memory_limit must be a positive int or None, got {self.memory_limit!r}"
+        store("max_blocks", _validate.integer(self.max_blocks, "Config.max_blocks", minimum=1))
+        if self.memory_limit is not None:
+            store(
+                "memory_limit",
+                _validate.integer(self.memory_limit, "Config.memory_limit", minimum=1),
             )
-        if type(self.page_size) is not int or self.page_size <= 0 or self.page_size % 4096:
+        store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=4096))
+        if self.page_size % 4096:
             raise ValueError(
                 f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
             )
-        low, high = self.reserve_pages
-        if not (type(low) is int and type(high) is int and 0 <= low <= high):
-            raise ValueError(
-                f"Config.reserve_pages must be (low, high) with 0 <= low <= high, "
-                f"got {self.reserve_pages!r}"
-            )
-        if not (math.isfinite(self.default_timeout) and self.default_timeout > 0):
-            raise ValueError(
-                f"Config.default_timeout must be a finite positive number of "
-                f"seconds, got {self.default_timeout!r}"
-            )
-        if not 0.0 < self.gpu_utilization <= 1.0:
+        store("reserve_pages", self._check_reserve_pages())
+        timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
+        store("default_timeout", timeout)
+        _validate.flag(self.zero_on_alloc, "Config.zero_on_alloc")
+        _validate.instance(self.faults, "Config.faults", testing.FaultInjector, optional=True)
+        # The ordinal goes to the driver as a C int.
+        store(
+            "device", _validate.integer(self.device, "Config.device", minimum=0, maximum=2**31 - 1)
+        )
+        utilization = _validate.number(self.gpu_utilization, "Config.gpu_utilization")
+        if not 0.0 < utilization <= 1.0:
             raise ValueError(
                 f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
             )
+        store("gpu_utilization", utilization)
+
+    def _check_reserve_pages(self) -> tuple[int, int]:
+        pair = self.reserve_pages
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"Config.reserve_pages must be a (low, high) tuple, got {pair!r}")
+        low = _validate.integer(pair[0], "Config.reserve_pages[0] (low)", minimum=0)
+        high = _validate.integer(pair[1], "Config.reserve_pages[1] (high)", minimum=0)
+        if low > high:
+            raise ValueError(
+                f"Config.reserve_pages must be (low, high) with 0 <= low <= high, got {pair!r}"
+            )
+        return low, high

@@ -41,6 +41,9 @@ class PagePool:
         reserve_low: int,
         reserve_high: int,
         default_timeout_s: float,
+        *,
+        block_bytes: int = 0,
+        page_bytes: int = 0,
     ) -> None: ...
     def alloc(self, n: int, deadline: float) -> list[int] | int: ...
     def alloc_nowait(self, n: int) -> list[int] | None: ...

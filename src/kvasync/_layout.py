@@ -12,15 +12,35 @@ page id is one physical allocation::
 
 Either way a page id covers the same blocks in every buffer, and ``kv.layer(i)`` returns views of
 shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided in the contiguous layout).
+
+Note [Blocks across page boundaries]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Block ``i`` sits at byte ``i * range_block_bytes`` of each range: one fixed stride, as paged
+attention kernels expect. A page need not be a multiple of the block (MLA's 18432-byte blocks,
+head_dim 80 or 96, any odd head count): a block that would straddle a page boundary is never
+handed out (it would need two pages mapped at once and would pin both), so at most one block id per
+page boundary is lost; its id stays in ``range(num_blocks)`` and is refused like any unallocated id.
+Over a whole period of pages that loses ``range_block_bytes - gcd(page, range_block_bytes)`` bytes
+a page. When that is more than 1/32 of the page (large blocks: the contiguous layout's block holds
+every layer), the unit of mapping is the smallest multiple of ``page_size`` that loses at most
+1/32 (``page_unit``); it is also the unit when one block is larger than ``page_size``. The
+capacity lost shows in ``stats().unusable_blocks`` and in the log line at open.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from . import _validate
+
 __all__ = ["SUPPORTED_DTYPES", "KVLayout"]
+
+# Note [Blocks across page boundaries]: the unit of mapping loses at most 1/_MAX_LOST_SHARE of
+# itself to blocks across its boundaries.
+_MAX_LOST_SHARE = 32
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16,
@@ -45,8 +65,9 @@ class KVLayout:
         contiguous: one block-major range across all layers instead of one range per buffer.
 
     Raises:
-        ValueError: a count is not a positive integer, kv_buffers is not 1 or 2, or the dtype is
-            not supported.
+        TypeError: a field of the wrong type (a count that is not an int, a bool as a count).
+        ValueError: a count is not positive, kv_buffers is not 1 or 2, or the dtype is not
+            supported.
     """
 
     num_layers: int
@@ -58,15 +79,23 @@ class KVLayout:
     contiguous: bool = False
 
     def __post_init__(self) -> None:
+        # Note [Argument errors] in _validate.py. Sizes are bounded so that a block's bytes and
+        # offsets stay well inside int64 whatever the capacity.
+        # Stored as plain ints: a numpy integer passes the check but must not travel further.
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.kv_buffers not in (1, 2):
+            value = _validate.integer(
+                getattr(self, name), f"KVLayout.{name}", minimum=1, maximum=1 << 31
+            )
+            object.__setattr__(self, name, value)  # a frozen dataclass, still being built
+        kv_buffers = _validate.integer(self.kv_buffers, "KVLayout.kv_buffers")
+        if kv_buffers not in (1, 2):
             raise ValueError(f"KVLayout.kv_buffers must be 1 or 2, got {self.kv_buffers!r}")
+        object.__setattr__(self, "kv_buffers", kv_buffers)
+        _validate.instance(self.dtype, "KVLayout.dtype", torch.dtype)
         if self.dtype not in SUPPORTED_DTYPES:
             names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
             raise ValueError(f"KVLayout.dtype {self.dtype} is not supported; use one of {names}")
+        _validate.flag(self.contiguous, "KVLayout.contiguous")
 
     @property
     def num_buffers(self) -> int:
@@ -93,8 +122,41 @@ class KVLayout:
         """Bytes one block takes in each range (its stride there)."""
         return self.block_bytes * (self.num_buffers if self.contiguous else 1)
 
+    def page_unit(self, page_size: int) -> int:
+        """The bytes per range that one page id maps, for a requested ``page_size``.
+
+        ``page_size`` itself when its blocks lose at most 1/32 of it to page boundaries (always
+        when it is a multiple of ``range_block_bytes``), else the smallest multiple of it that
+        does (Note [Blocks across page boundaries]).
+
+        Raises:
+            ValueError: ``page_size`` is not a positive int.
+        """
+        if type(page_size) is not int or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        block = self.range_block_bytes
+        multiple = max(1, -(-block // page_size))
+        while (block - math.gcd(multiple * page_size, block)) * _MAX_LOST_SHARE > (
+            multiple * page_size
+        ):
+            multiple += 1  # ends by ceil(32 * block / page_size): the loss is below one block
+        return multiple * page_size
+
+    def unusable_blocks(self, page_size: int, num_blocks: int) -> int:
+        """Block ids of ``range(num_blocks)`` that straddle a boundary of pages of ``page_size``
+        bytes per range (a unit from ``page_unit``), and so are never handed out."""
+        block = self.range_block_bytes
+        ends = num_blocks * block
+        # A boundary k * page_size inside (0, ends) cuts a block unless it is a block boundary.
+        boundaries = (ends - 1) // page_size
+        step = page_size * block // math.gcd(page_size, block)  # boundaries on block boundaries
+        return boundaries - (ends - 1) // step
+
     def blocks_per_page(self, page_size: int) -> int:
-        """Blocks that one page id holds.
+        """Blocks that one page id holds, where ``page_size`` is a multiple of the block.
+
+        Other page sizes work too (an allocator maps ``page_unit(page_size)``), but their pages
+        do not all hold the same number of blocks.
 
         Raises:
             ValueError: ``page_size`` is not a multiple of the block's bytes in a range.

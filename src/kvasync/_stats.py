@@ -17,7 +17,10 @@ class AllocatorStats:
     never counted as free or as missing. ``mapper_batches`` counts the backend batches the mapper
     ran: the maps queued by many requests at once go to the backend together. ``mapper_op`` names
     the backend call the mapper is inside (None when idle) and ``mapper_op_age`` how long it has
-    been there: a stuck driver shows here.
+    been there: a stuck driver shows here. ``unusable_blocks`` are the block ids that lie across a
+    page boundary (Note [Blocks across page boundaries] in _layout.py): never handed out, they
+    are the capacity the geometry loses, ``unusable_bytes`` of it across all ranges.
+    ``memory_limit_blocks`` is what the memory limit promises: any alloc up to it is served.
     """
 
     num_blocks: int
@@ -41,6 +44,9 @@ class AllocatorStats:
     mapper_op: str | None
     mapper_op_age: float
     last_error: str
+    unusable_blocks: int = 0
+    unusable_bytes: int = 0
+    memory_limit_blocks: int = 0
 
     @property
     def mapped_bytes(self) -> int:
@@ -48,8 +54,11 @@ class AllocatorStats:
         return self.mapped_pages * self.page_bytes
 
     @classmethod
-    def from_core(cls, raw: dict[str, Any], page_bytes: int) -> AllocatorStats:
-        """Builds a snapshot from ``_core.PagePool.stats()``."""
+    def from_core(
+        cls, raw: dict[str, Any], page_bytes: int, block_bytes: int = 0
+    ) -> AllocatorStats:
+        """Builds a snapshot from ``_core.PagePool.stats()``; ``block_bytes`` is one block's
+        bytes across all ranges."""
         return cls(
             num_blocks=raw["num_blocks"],
             used_blocks=raw["used_blocks"],
@@ -72,4 +81,7 @@ class AllocatorStats:
             mapper_op=raw["mapper_op"],
             mapper_op_age=raw["mapper_op_age_s"],
             last_error=raw["last_error"],
+            unusable_blocks=raw["unusable_blocks"],
+            unusable_bytes=raw["unusable_blocks"] * block_bytes,
+            memory_limit_blocks=raw["limit_blocks"],
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import _core
+from . import _core, _validate
 
 __all__ = ["FaultInjector"]
 
@@ -18,14 +18,13 @@ class FaultInjector:
         self._state = _core.FaultState()
 
     def delay(self, seconds: float) -> None:
-        """Make each map and unmap take ``seconds`` longer.
+        """Make each map and unmap take ``seconds`` longer (at most 600 s; ``release()`` ends it).
 
         Raises:
+            TypeError: ``seconds`` is not a number (or is a bool).
             ValueError: ``seconds`` is negative or not finite.
         """
-        if not 0.0 <= seconds < float("inf"):
-            raise ValueError(f"delay must be a finite number of seconds >= 0, got {seconds!r}")
-        self._state.delay(seconds)
+        self._state.delay(_validate.seconds(seconds, "seconds"))
 
     def hang(self) -> None:
         """Make maps block inside the mapper thread until ``release()``."""
@@ -35,11 +34,10 @@ class FaultInjector:
         """Make the next ``count`` maps fail as the driver's out-of-memory error.
 
         Raises:
-            ValueError: ``count`` is not a positive int.
+            TypeError: ``count`` is not an int (or is a bool).
+            ValueError: ``count`` is not positive.
         """
-        if type(count) is not int or count <= 0:
-            raise ValueError(f"count must be a positive int, got {count!r}")
-        self._state.fail(count)
+        self._state.fail(_validate.count(count, "count"))
 
     def release(self) -> None:
         """End a hang and clear the delay and any pending failures."""
