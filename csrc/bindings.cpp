@@ -199,6 +199,7 @@ PYBIND11_MODULE(_core, m) {
              return to_list(*blocks);
            },
            py::arg("n"))
+      .def("available_blocks", [](PoolHandle& pool) { return pool->available_blocks(); })
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {
              std::vector<int64_t> ids;

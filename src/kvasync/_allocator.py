@@ -23,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import math
 import operator
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _core
+from . import _core, _log, _loops
 from ._backends import buffer_views, create_backend, make_fence
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
@@ -72,7 +73,7 @@ class Allocator:
         self,
         layout: KVLayout,
         config: Config,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop | None,
     ) -> None:
         """Prefer ``open_allocator``; this reserves the ranges and starts the mapper thread.
 
@@ -106,7 +107,19 @@ class Allocator:
         self._kernel_table: Any = None  # kernels.BlockTable, built on first use
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
-        loop.add_reader(self._fd, self._on_completions)
+        # Trio tasks and threads wait on slots (Note [Slots] in _loops); `loop` is None on trio.
+        self._slots = _loops.SlotTable()
+        self._trio: _loops.TrioDriver | None = None
+        self._library = "asyncio"
+        # kvasync.metrics sets this: called with (waited, seconds) for every successful alloc.
+        self._observe: Callable[[bool, float], None] | None = None
+        self._stall = _log.StallWatch(config.stall_warning)
+        self._stall_period = min(max(config.stall_warning / 2, 0.05), 1.0)
+        self._stall_timer: asyncio.TimerHandle | None = None
+        if loop is not None:
+            loop.add_reader(self._fd, self._on_completions)
+            self._stall_timer = loop.call_later(self._stall_period, self._stall_tick)
+        _log.log_open(self)
 
     @classmethod
     async def open(cls, layout: KVLayout, config: Config | None = None) -> Allocator:
@@ -123,6 +136,11 @@ class Allocator:
             ValueError: the layout and config do not fit together.
             KVAsyncError: the backend cannot be used here.
         """
+        if _loops.current_library() == "trio":
+            allocator = cls(layout, config or Config(), None)
+            allocator._library = "trio"
+            allocator._trio = _loops.TrioDriver(allocator)
+            return allocator
         return cls(layout, config or Config(), asyncio.get_running_loop())
 
     # -- allocation -------------------------------------------------------------------------
@@ -152,19 +170,26 @@ class Allocator:
         """
         if type(n) is not int or n <= 0:
             n = _check_count(n)
+        observe = self._observe
+        started = time.perf_counter() if observe is not None else 0.0
+        waited = False
         if timeout is None and deadline is None:
             # The hot path reads no clock: -1 tells the pool "now + default_timeout".
             result = self._pool.alloc(n, -1.0)
             if isinstance(result, int):  # it became a waiter
-                due = self._loop.time() + self._default_timeout
+                waited = True
+                due = self._time() + self._default_timeout
                 result = await self._wait(result, due, f"alloc of {n} blocks")
         else:
             due = self._deadline(timeout, deadline)
-            result = self._pool.alloc(n, due)
+            result = self._pool.alloc(n, self._pool_deadline(due))
             if isinstance(result, int):
+                waited = True
                 result = await self._wait(result, due, f"alloc of {n} blocks")
         if self._zero_on_alloc:
             self._zero_blocks(result)
+        if observe is not None:
+            observe(waited, time.perf_counter() - started)
         return result
 
     def alloc_nowait(self, n: int) -> list[int]:
@@ -178,7 +203,9 @@ class Allocator:
 
         Raises:
             ValueError: ``n <= 0``.
-            WouldBlock: the blocks are not mapped and free now (mapping, if any, is started).
+            WouldBlock: the blocks are not mapped and free now. Mapping what the request lacks
+                is started (within the memory limit), so the same call retried succeeds once
+                the pages are mapped; the pages go to the reserve, held for nobody.
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
@@ -197,6 +224,15 @@ class Allocator:
         if self._zero_on_alloc:
             self._zero_blocks(result)
         return result
+
+    def available_blocks(self) -> int:
+        """Blocks an alloc could get now or by mapping within the memory limit.
+
+        Mapped free blocks, blocks being mapped, and the blocks of the pages the memory limit
+        still allows, less what waiting requests need: what a scheduler checks before admitting
+        a request. 0 once closed.
+        """
+        return int(self._pool.available_blocks())
 
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """Returns blocks to the pool. Synchronous; never blocks.
@@ -229,7 +265,7 @@ class Allocator:
             AllocatorClosed: the allocator is closed.
         """
         due = self._deadline(timeout, None)
-        request = self._pool.trim(due)
+        request = self._pool.trim(self._pool_deadline(due))
         if request:
             await self._wait(request, due, "trim")
 
@@ -252,7 +288,9 @@ class Allocator:
         if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
             raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
         due = self._deadline(timeout, None)
-        request = self._pool.set_limit_pages(self._limit_pages(memory_limit), due)
+        request = self._pool.set_limit_pages(
+            self._limit_pages(memory_limit), self._pool_deadline(due)
+        )
         if request:
             await self._wait(request, due, "resize")
 
@@ -393,6 +431,9 @@ class Allocator:
             timeout: seconds to wait for the mapper thread; ``default_timeout`` when None.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
+        if self._trio is not None:
+            await self._trio.close(wait)
+            return
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close(wait))
         # Shielded: a caller cancelled while waiting does not leave the close half done, and a
@@ -404,11 +445,14 @@ class Allocator:
         # pool.close releases the GIL and waits at most `wait` (more only for an idle mapper,
         # which stops at once); run it off the loop thread so other tasks keep running.
         await asyncio.to_thread(self._pool.close, wait)
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
         self._loop.remove_reader(self._fd)
         # Completed during the close: their pages are gone, so they fail too.
         self._on_completions(closed=True)
         for request in list(self._pending):
             self._settle(request, AllocatorClosed("the allocator was closed"), None)
+        self._close_slots()
 
     async def __aenter__(self) -> Allocator:
         return self
@@ -443,10 +487,22 @@ class Allocator:
                 raise ValueError(f"deadline must be a finite loop.time() value, got {deadline!r}")
             return float(deadline)
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
-        return self._loop.time() + wait
+        return self._time() + wait
+
+    def _time(self) -> float:
+        # The clock of `deadline=`: loop.time() on asyncio, trio.current_time() on trio.
+        return self._loop.time() if self._loop is not None else _loops.TrioDriver.time()
+
+    def _pool_deadline(self, due: float) -> float:
+        # Note [Clocks] in _loops: an enclosing cancel scope's deadline bounds the mapper too.
+        due = min(due, _loops.scope_deadline(self._library))
+        return due if self._trio is None else self._trio.to_pool_time(due)
 
     async def _wait(self, request: int, due: float, what: str) -> list[int]:
+        if self._trio is not None:
+            return await self._trio.wait(request, due, what)
         loop = self._loop
+        assert loop is not None, "an asyncio allocator has a loop (a bug otherwise)"
         if asyncio.get_running_loop() is not loop:
             self._pool.cancel(request, False)
             raise RuntimeError(
@@ -478,17 +534,18 @@ class Allocator:
         pending = self._pending.get(request)
         if pending is None:
             return
+        waited = self._time() - pending.started
+        self._settle(request, self._timeout_error(request, pending.what, waited), None)
+
+    def _timeout_error(self, request: int, what: str, waited: float) -> AllocTimeout:
         waiting_for = self._pool.cancel(request, True)
-        waited = self._loop.time() - pending.started
         if waiting_for:
             detail = f"waiting for {waiting_for}"
         else:  # not a waiter for blocks (a trim or resize), or its completion is on its way
             stats = self._pool.stats()
             op, age = stats["mapper_op"], stats["mapper_op_age_s"]
             detail = f"the mapper busy on {op} for {age:.3f} s" if op else "the mapper idle"
-        self._settle(
-            request, AllocTimeout(f"{pending.what} timed out after {waited:.3f} s, {detail}"), None
-        )
+        return AllocTimeout(f"{what} timed out after {waited:.3f} s, {detail}")
 
     def _settle(self, request: int, error: Exception | None, blocks: list[int] | None) -> None:
         pending = self._pending.pop(request)
@@ -502,23 +559,71 @@ class Allocator:
             pending.future.set_result(blocks or [])
 
     def _on_completions(self, closed: bool = False) -> None:
-        for request, status, blocks, message in self._pool.drain():
-            pending = request in self._pending
-            if blocks and (closed or not pending):
-                # Nobody will use them: the request was abandoned (timed out or cancelled), or
-                # its pages went with the close.
-                self._pool.free(blocks)
-                status, message = _CLOSED, "the allocator was closed"
-            if not pending:
-                continue
-            if status == _OK:
-                self._settle(request, None, blocks)
-            elif status == _MAP_ERROR:
-                self._settle(request, MapError(message), None)
-            elif status == _OUT_OF_BLOCKS:
-                self._settle(request, OutOfBlocks(message), None)
-            else:
-                self._settle(request, AllocatorClosed(message or "the allocator was closed"), None)
+        with self._slots.lock:  # Note [Slots]: a slot is registered before its record drains
+            for request, status, blocks, message in self._pool.drain():
+                self._complete(request, status, blocks, message, closed)
+
+    def _complete(
+        self, request: int, status: int, blocks: list[int], message: str, closed: bool
+    ) -> None:
+        pending = request in self._pending
+        slot = None if pending else self._slots.slots.pop(request, None)
+        if blocks and (closed or (not pending and slot is None)):
+            # Nobody will use them: the request was abandoned (timed out or cancelled), or its
+            # pages went with the close.
+            self._pool.free(blocks)
+            status, message, blocks = _CLOSED, "the allocator was closed", []
+        if slot is not None:
+            slot.deliver(status, blocks, message)
+        elif pending:
+            self._settle(request, _error_for(status, message), blocks)
+
+    # -- waits on slots: trio tasks and threads (Note [Slots] in _loops) ---------------------
+
+    def _abandon_slot(self, request: int, slot: _loops.Slot) -> None:
+        with self._slots.lock:
+            if self._slots.slots.get(request) is slot:
+                del self._slots.slots[request]
+                self._pool.cancel(request, False)  # None: its record is queued; drain frees it
+                return
+        if slot.status == _OK and slot.blocks:
+            self._pool.free(slot.blocks)  # delivered, then abandoned: give them back
+
+    def _slot_timed_out(self, request: int, slot: _loops.Slot, what: str, waited: float) -> None:
+        with self._slots.lock:
+            if self._slots.slots.get(request) is not slot:
+                return  # delivered meanwhile: the result wins
+            del self._slots.slots[request]
+            error = self._timeout_error(request, what, waited)
+        raise error
+
+    @staticmethod
+    def _slot_result(slot: _loops.Slot) -> list[int]:
+        error = _error_for(slot.status, slot.message)
+        if error is not None:
+            raise error
+        return slot.blocks
+
+    def _close_slots(self) -> None:
+        # Requests the close left without a record (a trim's barrier): they fail too.
+        with self._slots.lock:
+            slots, self._slots.slots = self._slots.slots, {}
+        for slot in slots.values():
+            slot.deliver(_CLOSED, [], "the allocator was closed")
+
+    def _finish_close(self) -> None:
+        # After pool.close: what completed during the close fails (its pages are gone).
+        self._on_completions(closed=True)
+        self._close_slots()
+
+    def _stall_tick(self) -> None:
+        if self._closing is not None or self._loop is None:
+            return
+        self._check_stall()
+        self._stall_timer = self._loop.call_later(self._stall_period, self._stall_tick)
+
+    def _check_stall(self) -> None:
+        self._stall.check(self._pool.stats())
 
     def _zero_blocks(self, ids: list[int]) -> None:
         from . import _block_ops
@@ -544,6 +649,16 @@ class Allocator:
 
 def _none_missing(ids: list[int]) -> list[int]:
     return []
+
+
+def _error_for(status: int, message: str) -> Exception | None:
+    if status == _OK:
+        return None
+    if status == _MAP_ERROR:
+        return MapError(message)
+    if status == _OUT_OF_BLOCKS:
+        return OutOfBlocks(message)
+    return AllocatorClosed(message or "the allocator was closed")
 
 
 @asynccontextmanager

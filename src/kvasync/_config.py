@@ -32,6 +32,7 @@ class Config:
         device: CUDA device ordinal (cuda backend).
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
+        stall_warning: seconds a mapper op may run before the ``kvasync`` logger warns of it.
 
     Raises:
         ValueError: any value out of range.
@@ -47,6 +48,7 @@ class Config:
     faults: FaultInjector | None = None
     device: int = 0
     gpu_utilization: float = 0.95
+    stall_warning: float = 1.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -73,6 +75,11 @@ class Config:
             raise ValueError(
                 f"Config.default_timeout must be a finite positive number of "
                 f"seconds, got {self.default_timeout!r}"
+            )
+        if not (isinstance(self.stall_warning, (int, float)) and 0 < self.stall_warning < math.inf):
+            raise ValueError(
+                f"Config.stall_warning must be a finite positive number of seconds, "
+                f"got {self.stall_warning!r}"
             )
         if not 0.0 < self.gpu_utilization <= 1.0:
             raise ValueError(
