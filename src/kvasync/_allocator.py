@@ -447,7 +447,8 @@ class Allocator:
         await asyncio.to_thread(self._pool.close, wait)
         if self._stall_timer is not None:
             self._stall_timer.cancel()
-        self._loop.remove_reader(self._fd)
+        if self._loop is not None:  # always, on this (asyncio) path
+            self._loop.remove_reader(self._fd)
         # Completed during the close: their pages are gone, so they fail too.
         self._on_completions(closed=True)
         for request in list(self._pending):
