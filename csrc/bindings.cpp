@@ -200,6 +200,7 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("n"))
       .def("available_blocks", [](PoolHandle& pool) { return pool->available_blocks(); })
+      .def("take_map_seconds", [](PoolHandle& pool) { return pool->take_map_seconds(); })
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {
              std::vector<int64_t> ids;

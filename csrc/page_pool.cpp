@@ -341,6 +341,13 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
   return blocks;
 }
 
+std::vector<double> PagePool::take_map_seconds() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<double> out;
+  out.swap(map_seconds_);
+  return out;
+}
+
 int64_t PagePool::available_blocks() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return 0;
@@ -659,6 +666,9 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     }
     if (job.kind == JobKind::kRefill) refill_pages_ -= num_pages;
     maps_done_ += num_pages;
+    if (map_seconds_.size() < kMaxMapSamples) {
+      map_seconds_.push_back(seconds_since(current_job_start_));
+    }
   } else {
     revert_job(job);
     if (job.kind == JobKind::kMapForRequest) {

@@ -120,6 +120,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
   // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
   int64_t available_blocks() const;
+  // Seconds each successful map job took since the last call (at most kMaxMapSamples kept),
+  // for a metrics exporter's histogram.
+  static constexpr size_t kMaxMapSamples = 4096;
+  std::vector<double> take_map_seconds();
   // `fence` (0 = none) is device work still using the blocks; the pool takes ownership of it.
   void free(const std::vector<int64_t>& blocks, uintptr_t fence = 0);
   // Releases a fence that never reached free() (its ids could not even be read).
@@ -217,6 +221,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
+  std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;
 };
 

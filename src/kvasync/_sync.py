@@ -28,7 +28,6 @@ from ._stats import AllocatorStats
 __all__ = ["SyncAllocator", "open_allocator_sync"]
 
 
-
 class _LoopThread:
     """A private asyncio loop in a daemon thread: it drains the completions of the allocator."""
 
