@@ -175,7 +175,7 @@ async def test_a_blocking_call_on_the_loop_thread_raises_instead_of_deadlocking(
             shared.alloc(1, timeout=1.0)
         with pytest.raises(RuntimeError, match="close it there"):
             shared.close()
-        with pytest.raises(TypeError, match="kvasync.Allocator"):
+        with pytest.raises(TypeError, match=r"kvasync\.Allocator"):
             kvasync.SyncAllocator(shared)  # type: ignore[arg-type]
 
 
