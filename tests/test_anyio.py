@@ -1,4 +1,7 @@
-"""anyio on asyncio and trio: cancel scopes' deadlines and cancellation around every wait."""
+"""anyio on asyncio and trio: cancel scopes' deadlines and cancellation around every wait.
+
+These tests use kvasync's own pytest plugin (kv_allocator, kv_faults) under anyio's plugin.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,8 @@ import anyio
 import pytest
 
 import kvasync
-from kvasync.testing import FaultInjector
 
-LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
-PER_PAGE = 512
+PER_PAGE = 512  # blocks per page of kv_allocator's default layout
 
 pytestmark = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
@@ -21,10 +22,11 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 
 @pytest.mark.anyio
-async def test_an_enclosing_scope_deadline_ends_the_wait_when_it_is_earlier(anyio_backend):
-    faults = FaultInjector()
-    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0), faults=faults)
-    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+async def test_an_enclosing_scope_deadline_ends_the_wait_when_it_is_earlier(
+    anyio_backend, kv_allocator, kv_faults
+):
+    faults = kv_faults
+    async with kv_allocator(reserve_pages=(0, 0)) as kv:
         faults.hang()
         try:
             started = anyio.current_time()
@@ -47,10 +49,11 @@ async def test_an_enclosing_scope_deadline_ends_the_wait_when_it_is_earlier(anyi
 
 
 @pytest.mark.anyio
-async def test_the_scope_deadline_also_bounds_the_mappers_job(anyio_backend):
-    faults = FaultInjector()
-    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0), faults=faults)
-    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+async def test_the_scope_deadline_also_bounds_the_mappers_job(
+    anyio_backend, kv_allocator, kv_faults
+):
+    faults = kv_faults
+    async with kv_allocator(reserve_pages=(0, 0)) as kv:
         faults.hang()
         try:
             with pytest.raises(kvasync.WouldBlock):
@@ -68,10 +71,9 @@ async def test_the_scope_deadline_also_bounds_the_mappers_job(anyio_backend):
 
 
 @pytest.mark.anyio
-async def test_cancelling_waits_of_every_kind_leaks_nothing(anyio_backend):
-    faults = FaultInjector()
-    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0), faults=faults)
-    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+async def test_cancelling_waits_of_every_kind_leaks_nothing(anyio_backend, kv_allocator, kv_faults):
+    faults = kv_faults
+    async with kv_allocator(reserve_pages=(0, 0)) as kv:
         for delay in (0.0, 0.001, 0.003, 0.01):  # before, during and after the map lands
             faults.delay(0.003)
             with anyio.CancelScope() as scope:

@@ -8,7 +8,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvasync
 from kvasync import metrics
-from kvasync.testing import FaultInjector
 
 LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
 PER_PAGE = 512
@@ -22,10 +21,11 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str]
     return samples
 
 
-async def test_a_scrape_agrees_with_stats_and_the_histograms_count_every_alloc():
-    faults = FaultInjector()
-    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0), faults=faults)
-    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+async def test_a_scrape_agrees_with_stats_and_the_histograms_count_every_alloc(
+    kv_allocator, kv_faults
+):
+    faults = kv_faults  # the plugin's fixtures, under pytest-asyncio's auto mode
+    async with kv_allocator(reserve_pages=(0, 0)) as kv:
         registry = CollectorRegistry()
         metrics.register(kv, registry, name="model-a")
         cold = await kv.alloc(PER_PAGE + 3)  # waits for two maps
