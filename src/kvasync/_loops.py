@@ -28,6 +28,7 @@ mapper's job; when it is the earlier one, the scope's own cancellation ends the 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 import threading
@@ -72,15 +73,21 @@ def current_library() -> str:
     Raises:
         RuntimeError: no async library is running in this thread.
     """
-    import sniffio
-
+    trio = sys.modules.get("trio")  # not imported: no trio run can be going on
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            return "trio"
+        except RuntimeError:
+            pass
     try:
-        return str(sniffio.current_async_library())
-    except sniffio.AsyncLibraryNotFoundError:
+        asyncio.get_running_loop()
+    except RuntimeError:
         raise RuntimeError(
             "no running event loop: open the allocator inside asyncio or trio (or anyio on "
             "either), or use kvasync.open_allocator_sync from plain threads"
         ) from None
+    return "asyncio"
 
 
 def scope_deadline(library: str) -> float:
