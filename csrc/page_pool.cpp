@@ -311,11 +311,12 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   return id;
 }
 
-std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
+std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_on_miss) {
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   const int64_t available = available_to_newcomer();
+  if (n > available && !map_on_miss) return std::nullopt;
   if (n > available) {
     // Note [Nowait maps]: map what the request lacks, less what refills already bring.
     const int64_t bpp = config_.blocks_per_page;

@@ -117,7 +117,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // `deadline_s` is a CLOCK_MONOTONIC time in seconds, or negative for now + default_timeout.
   std::variant<std::vector<int64_t>, int64_t> alloc(int64_t n, double deadline_s);
   // Note [Nowait maps]: on a miss, starts mapping what the request lacks into the reserve.
-  std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
+  // `map_on_miss` false: a pure try (the async alloc's hot path), which changes nothing on a miss.
+  std::optional<std::vector<int64_t>> alloc_nowait(int64_t n, bool map_on_miss = true);
   // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
   int64_t available_blocks() const;
   // Seconds each successful map job took since the last call (at most kMaxMapSamples kept),

@@ -1,4 +1,4 @@
-"""The kvasync logger: one INFO line at open, a warning for a stalled mapper op, nothing per alloc."""
+"""The kvasync logger: a line at open, a warning for a stalled mapper op, nothing per alloc."""
 
 from __future__ import annotations
 

@@ -173,19 +173,20 @@ class Allocator:
         observe = self._observe
         started = time.perf_counter() if observe is not None else 0.0
         waited = False
-        if timeout is None and deadline is None:
-            # The hot path reads no clock: -1 tells the pool "now + default_timeout".
-            result = self._pool.alloc(n, -1.0)
-            if isinstance(result, int):  # it became a waiter
-                waited = True
+        due = None
+        if timeout is not None or deadline is not None:
+            due = self._deadline(timeout, deadline)  # checked even when the blocks are there
+        # The hot path reads no cancel scope: a try that changes nothing on a miss.
+        result = self._pool.alloc_nowait(n, False)
+        if result is None:
+            if due is None:
                 due = self._time() + self._default_timeout
-                result = await self._wait(result, due, f"alloc of {n} blocks")
-        else:
-            due = self._deadline(timeout, deadline)
-            result = self._pool.alloc(n, self._pool_deadline(due))
-            if isinstance(result, int):
+            request = self._pool.alloc(n, self._pool_deadline(due))
+            if isinstance(request, int):  # it became a waiter
                 waited = True
-                result = await self._wait(result, due, f"alloc of {n} blocks")
+                result = await self._wait(request, due, f"alloc of {n} blocks")
+            else:
+                result = request
         if self._zero_on_alloc:
             self._zero_blocks(result)
         if observe is not None:
