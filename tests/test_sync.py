@@ -192,3 +192,25 @@ def test_the_facade_rejects_bad_arguments_and_closed_use():
     kv.close()  # idempotent
     with pytest.raises(kvasync.AllocatorClosed):
         kv.alloc(1, timeout=1.0)
+
+
+def test_threads_share_an_allocator_opened_under_trio():
+    import trio
+
+    async def main() -> None:
+        cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+        async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+            shared = kvasync.SyncAllocator(kv)
+            with pytest.raises(RuntimeError, match="wait for itself"):
+                shared.alloc(1, timeout=1.0)  # on trio's own thread
+
+            def in_thread() -> int:
+                blocks = shared.alloc(PER_PAGE + 1, timeout=5.0)  # waits for maps
+                shared.free(blocks)
+                return len(blocks)
+
+            with trio.fail_after(10):
+                assert await trio.to_thread.run_sync(in_thread) == PER_PAGE + 1
+            assert kv.stats().used_blocks == 0 and kv._slots.slots == {}
+
+    trio.run(main)
