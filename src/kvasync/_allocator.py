@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import operator
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -109,6 +110,7 @@ class Allocator:
         self._fd = self._pool.completion_fd
         # Trio tasks and threads wait on slots (Note [Slots] in _loops); `loop` is None on trio.
         self._slots = _loops.SlotTable()
+        self._loop_thread = threading.get_ident()  # where completions drain (opened there)
         self._trio: _loops.TrioDriver | None = None
         self._library = "asyncio"
         # kvasync.metrics sets this: called with (waited, seconds) for every successful alloc.

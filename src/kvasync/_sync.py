@@ -243,18 +243,7 @@ class SyncAllocator:
         return time.monotonic() + wait
 
     def _check_thread(self) -> None:
-        kv = self._kv
-        loop_thread = None
-        if kv._trio is not None:
-            loop_thread = kv._trio.thread
-        elif kv._loop is not None and self._owner is None:
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            if running is kv._loop:
-                loop_thread = threading.get_ident()
-        if loop_thread == threading.get_ident():
+        if threading.get_ident() == self._kv._loop_thread:
             raise RuntimeError(
                 "a blocking call on the thread of the loop that drains the allocator's "
                 "completions would wait for itself: use await kv.alloc() there"
@@ -268,12 +257,12 @@ class SyncAllocator:
         Returns the blocks and whether it had to wait.
         """
         kv = self._kv
-        event = threading.Event()
-        slot = _loops.Slot(event.set)
         with kv._slots.lock:
             result = start()
             if isinstance(result, list):
                 return result, False
+            event = threading.Event()  # only a waiter pays for one
+            slot = _loops.Slot(event.set)
             kv._slots.slots[result] = slot
         started = time.monotonic()
         try:
