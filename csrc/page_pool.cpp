@@ -321,9 +321,12 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
     // Note [Nowait maps]: map what the request lacks, less what refills already bring.
     const int64_t bpp = config_.blocks_per_page;
     const int64_t lacking = n - std::max<int64_t>(0, available) - refill_pages_ * bpp;
-    nowait_hold_blocks_ = n;
-    nowait_hold_until_ = Clock::now() + kNowaitHold;
-    if (lacking > 0 && config_.limit_pages * bpp >= n) {
+    const bool can_fit = n <= std::min(config_.limit_pages * bpp, config_.num_blocks);
+    if (can_fit) {  // a request that can never fit (OutOfBlocks) keeps nothing
+      nowait_hold_blocks_ = n;
+      nowait_hold_until_ = Clock::now() + kNowaitHold;
+    }
+    if (lacking > 0 && can_fit) {
       std::vector<int64_t> pages = claim_unmapped(lacking, headroom_pages());
       if (!pages.empty()) {
         refill_pages_ += static_cast<int64_t>(pages.size());
