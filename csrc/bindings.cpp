@@ -202,12 +202,14 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("n"), py::arg("deadline"))
       .def("alloc_nowait",
-           [](PoolHandle& pool, int64_t n) -> py::object {
-             auto blocks = pool->alloc_nowait(n);
+           [](PoolHandle& pool, int64_t n, bool map_on_miss) -> py::object {
+             auto blocks = pool->alloc_nowait(n, map_on_miss);
              if (!blocks) return py::none();
              return to_list(*blocks);
            },
-           py::arg("n"))
+           py::arg("n"), py::arg("map_on_miss") = true)
+      .def("available_blocks", [](PoolHandle& pool) { return pool->available_blocks(); })
+      .def("take_map_seconds", [](PoolHandle& pool) { return pool->take_map_seconds(); })
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {
              std::vector<int64_t> ids;

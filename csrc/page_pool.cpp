@@ -69,6 +69,9 @@ int64_t page_count(const PoolConfig& config) {
   return pages;
 }
 
+// Note [Nowait maps]: how long the reserve keeps a missed alloc_nowait's pages from trimming.
+constexpr auto kNowaitHold = std::chrono::seconds(1);
+
 const char* job_name(JobKind kind) {
   switch (kind) {
     case JobKind::kMapForRequest: return "map";
@@ -224,6 +227,12 @@ int64_t PagePool::available_to_newcomer() const {
   // See Note [Waiters]: only the waiters' demand not covered by their own maps protects blocks.
   const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming_for_waiters_);
   return free_blocks_ - protected_blocks;
+}
+
+int64_t PagePool::reserve_kept_pages(Clock::time_point now) const {
+  const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
+  const int64_t held = now < nowait_hold_until_ ? (nowait_hold_blocks_ + bpp - 1) / bpp : 0;
+  return std::max(config_.reserve_high, held);
 }
 
 void PagePool::set_state(int64_t page, PageState state) {
@@ -389,7 +398,8 @@ void PagePool::plan_unmaps() {
   const int64_t reserve = count_[(int)PageState::kFree];
   // Pages mapped beyond a lowered limit, less those already on their way out.
   const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
-  const int64_t excess = std::min(reserve, std::max(reserve - config_.reserve_high, over_limit));
+  const int64_t kept = reserve_kept_pages(Clock::now());  // Note [Nowait maps]
+  const int64_t excess = std::min(reserve, std::max(reserve - kept, over_limit));
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
   push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
@@ -431,18 +441,60 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   return id;
 }
 
-std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n) {
+std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_on_miss) {
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   refill_paused_ = false;  // demand again (Note [Trim])
-  if (n > available_to_newcomer()) {
-    plan_refill();  // so that a later attempt may find the blocks mapped
+  const int64_t available = available_to_newcomer();
+  if (n > available && !map_on_miss) return std::nullopt;
+  if (n > available) {
+    // Note [Nowait maps]: map what the request lacks, less what refills already bring.
+    const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
+    const int64_t lacking = n - std::max<int64_t>(0, available) - refill_pages_ * bpp;
+    const bool can_fit = n <= std::min(limit_blocks(config_.limit_pages), usable_blocks_);
+    if (can_fit) {  // a request that can never fit (OutOfBlocks) keeps nothing
+      nowait_hold_blocks_ = n;
+      nowait_hold_until_ = Clock::now() + kNowaitHold;
+    }
+    if (lacking > 0 && can_fit) {
+      std::vector<int64_t> pages = claim_unmapped(lacking, headroom_pages());
+      if (!pages.empty()) {
+        refill_pages_ += static_cast<int64_t>(pages.size());
+        push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
+      }
+    }
+    plan_refill();
     return std::nullopt;
   }
   std::vector<int64_t> blocks = take_blocks(n);
+  nowait_hold_blocks_ = std::max<int64_t>(0, nowait_hold_blocks_ - n);  // claimed
   plan_refill();
   return blocks;
+}
+
+std::vector<double> PagePool::take_map_seconds() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<double> out;
+  out.swap(map_seconds_);
+  return out;
+}
+
+int64_t PagePool::available_blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return 0;
+  // Mapped free blocks, blocks on their way in, and the blocks of the unmapped pages the limit
+  // still allows (lowest first, as claim_unmapped takes them: the short last page comes last).
+  // NOTE: a refill counts whole pages: a short last page being refilled overstates it slightly.
+  const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
+  const int64_t unmapped = static_cast<int64_t>(count_[(int)PageState::kUnmapped]);
+  const int64_t mappable = std::clamp<int64_t>(headroom_pages(), 0, unmapped);
+  int64_t blocks = free_blocks_ + incoming_for_waiters_ + refill_pages_ * bpp + mappable * bpp;
+  const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
+  if (mappable > 0 && mappable == unmapped && pages_[last].state == PageState::kUnmapped) {
+    blocks -= bpp - pages_[last].num_blocks;
+  }
+  return std::max<int64_t>(0, blocks - waiting_blocks_);
 }
 
 void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
@@ -738,6 +790,11 @@ std::vector<Job> PagePool::next_batch() {
   std::lock_guard<std::mutex> lock(mutex_);
   current_job_.reset();
   const auto now = Clock::now();
+  if (nowait_hold_blocks_ > 0 && now >= nowait_hold_until_) {
+    // Note [Nowait maps]: the window has passed; what nobody claimed is trimmed as usual.
+    nowait_hold_blocks_ = 0;
+    plan_unmaps();
+  }
   // Note [Mapper deadlines]: jobs already too late to help anyone never reach the backend.
   // Deadline order puts them all at the front.
   std::vector<Job> expired;
@@ -843,6 +900,9 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     if (job.kind == JobKind::kRefill) refill_pages_ -= num_pages;
     maps_done_ += num_pages;
     job_left_flight(job);
+    if (map_seconds_.size() < kMaxMapSamples) {
+      map_seconds_.push_back(seconds_since(current_job_start_));
+    }
   } else {
     // Pages whose rollback unmap failed too are still mapped: they join the reserve, counted as
     // mapped (a later unmap retries them). Only the others go back to unmapped.

@@ -34,6 +34,16 @@
 // Fences are reference-counted by the pages that hold them and released once, when the last of
 // those pages is unmapped (or at close).
 //
+// Note [Nowait maps]
+// ~~~~~~~~~~~~~~~~~~
+// A synchronous scheduler cannot await: it retries alloc_nowait. So a miss queues a refill job
+// (not tied to any waiter) for the pages the request lacks, within the memory limit, less what
+// refills already bring; the same call retried succeeds once they are mapped. Nothing is held
+// for the caller: the pages land in the reserve, any alloc may take them, and the reserve keeps
+// them from trimming only for a short window (kNowaitHold) after the last miss. Past it they are
+// trimmed as usual (the idle mapper re-checks every poll), so a caller that never comes back
+// costs nothing for long.
+//
 // Note [Mapper deadlines]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // Jobs (map for a request, refill the reserve, unmap) carry a deadline and the mapper takes the
@@ -144,7 +154,15 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Hot path and waits. An alloc returns its blocks, or the id of the waiter it became.
   // `deadline_s` is a CLOCK_MONOTONIC time in seconds, or negative for now + default_timeout.
   std::variant<std::vector<int64_t>, int64_t> alloc(int64_t n, double deadline_s);
-  std::optional<std::vector<int64_t>> alloc_nowait(int64_t n);
+  // Note [Nowait maps]: on a miss, starts mapping what the request lacks into the reserve.
+  // `map_on_miss` false: a pure try (the async alloc's hot path), which changes nothing on a miss.
+  std::optional<std::vector<int64_t>> alloc_nowait(int64_t n, bool map_on_miss = true);
+  // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
+  int64_t available_blocks() const;
+  // Seconds each successful map job took since the last call (at most kMaxMapSamples kept),
+  // for a metrics exporter's histogram.
+  static constexpr size_t kMaxMapSamples = 4096;
+  std::vector<double> take_map_seconds();
   // `fence` (0 = none) is device work still using the blocks; the pool takes ownership of it.
   void free(const std::vector<int64_t>& blocks, uintptr_t fence = 0);
   // Releases a fence that never reached free() (its ids could not even be read).
@@ -216,6 +234,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t headroom_pages() const;
   int64_t limit_blocks(int64_t limit_pages) const;
   int64_t available_to_newcomer() const;
+  int64_t reserve_kept_pages(Clock::time_point now) const;
   std::vector<int64_t> take_blocks(int64_t n);
   void serve_waiters();
   void plan_maps();
@@ -258,11 +277,15 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t waiting_blocks_ = 0;        // sum of waiters' n
   int64_t incoming_for_waiters_ = 0;  // blocks of kMapping pages of kMapForRequest jobs
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
+  // Note [Nowait maps]: blocks the reserve keeps for missed alloc_nowait calls, until then.
+  int64_t nowait_hold_blocks_ = 0;
+  Clock::time_point nowait_hold_until_{};
   int64_t maps_done_ = 0, unmaps_done_ = 0, map_errors_ = 0, dropped_jobs_ = 0, timeouts_ = 0;
   int64_t batches_ = 0;  // backend batches the mapper ran
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
+  std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;
   std::vector<uintptr_t> unused_fences_;  // Note [Fences outside the lock]
   std::vector<PendingTrim> trims_;        // Note [Trim]

@@ -40,3 +40,18 @@ def test_kernels_ship_inside_the_package():
         "kernels",
         "__init__.py",
     )
+
+
+def test_the_version_has_one_source_and_the_cli_reports_it():
+    import importlib.metadata
+
+    from click.testing import CliRunner
+
+    from kvasync.__main__ import main
+
+    assert kvasync.__version__ == importlib.metadata.version("kvasync")
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output == f"kvasync, version {kvasync.__version__}\n"
+    result = CliRunner().invoke(main, ["demo", "--requests", "many"])
+    assert result.exit_code == 2 and "'--requests'" in result.output  # the flag, by name
+    assert "[bold" not in CliRunner().invoke(main, ["--help"]).output  # no raw markup

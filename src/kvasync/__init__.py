@@ -15,6 +15,8 @@ from ._errors import OutOfBlocks as OutOfBlocks
 from ._errors import WouldBlock as WouldBlock
 from ._layout import KVLayout as KVLayout
 from ._stats import AllocatorStats as AllocatorStats
+from ._sync import SyncAllocator as SyncAllocator
+from ._sync import open_allocator_sync as open_allocator_sync
 
 __all__ = [
     "AllocTimeout",
@@ -26,8 +28,10 @@ __all__ = [
     "KVLayout",
     "MapError",
     "OutOfBlocks",
+    "SyncAllocator",
     "WouldBlock",
     "open_allocator",
+    "open_allocator_sync",
 ]
 
 __version__ = "0.1.0"

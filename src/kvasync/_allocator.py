@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _core, _validate
+from . import _core, _log, _loops, _validate
 from ._backends import buffer_views, create_backend, make_fence
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
@@ -40,7 +40,6 @@ from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
 
-_logger = logging.getLogger("kvasync")
 
 # Completion statuses (csrc/completion_queue.h).
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
@@ -79,7 +78,7 @@ class Allocator:
         self,
         layout: KVLayout,
         config: Config,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop | None,
     ) -> None:
         """Prefer ``open_allocator``; this reserves the ranges and starts the mapper thread.
 
@@ -89,7 +88,7 @@ class Allocator:
         """
         _validate.instance(layout, "layout", KVLayout)
         _validate.instance(config, "config", Config)
-        _validate.instance(loop, "loop", asyncio.AbstractEventLoop)
+        _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=True)  # None: trio
         self._layout = layout
         self._config = config
         self._loop = loop
@@ -119,8 +118,20 @@ class Allocator:
         self._kernel_table: Any = None  # kernels.BlockTable, built on first use
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
-        loop.add_reader(self._fd, self._on_completions)
-        _log_open(self)
+        # Trio tasks and threads wait on slots (Note [Slots] in _loops); `loop` is None on trio.
+        self._slots = _loops.SlotTable()
+        self._loop_thread = threading.get_ident()  # where completions drain (opened there)
+        self._trio: _loops.TrioDriver | None = None
+        self._library = "asyncio"
+        # kvasync.metrics sets this: called with (waited, seconds) for every successful alloc.
+        self._observe: Callable[[bool, float], None] | None = None
+        self._stall = _log.StallWatch(config.stall_warning)
+        self._stall_period = min(max(config.stall_warning / 2, 0.05), 1.0)
+        self._stall_timer: asyncio.TimerHandle | None = None
+        if loop is not None:
+            loop.add_reader(self._fd, self._on_completions)
+            self._stall_timer = loop.call_later(self._stall_period, self._stall_tick)
+        _log.log_open(self)
 
     @classmethod
     async def open(cls, layout: KVLayout, config: Config | None = None) -> Allocator:
@@ -139,7 +150,13 @@ class Allocator:
             KVAsyncError: the backend cannot be used here.
         """
         # Not `config or Config()`: an empty dict would pass as "no config".
-        return cls(layout, Config() if config is None else config, asyncio.get_running_loop())
+        config = Config() if config is None else config
+        if _loops.current_library() == "trio":
+            allocator = cls(layout, config, None)
+            allocator._library = "trio"
+            allocator._trio = _loops.TrioDriver(allocator)
+            return allocator
+        return cls(layout, config, asyncio.get_running_loop())
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -172,19 +189,27 @@ class Allocator:
         """
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
-        if timeout is None and deadline is None:
-            # The hot path reads no clock: -1 tells the pool "now + default_timeout".
-            result = self._pool.alloc(n, -1.0)
-            if isinstance(result, int):  # it became a waiter
-                due = self._loop.time() + self._default_timeout
-                result = await self._wait(result, due, f"alloc of {n} blocks")
-        else:
-            due = self._deadline(timeout, deadline)
-            result = self._pool.alloc(n, due)
-            if isinstance(result, int):
-                result = await self._wait(result, due, f"alloc of {n} blocks")
+        observe = self._observe
+        started = time.perf_counter() if observe is not None else 0.0
+        waited = False
+        due = None
+        if timeout is not None or deadline is not None:
+            due = self._deadline(timeout, deadline)  # checked even when the blocks are there
+        # The hot path reads no cancel scope: a try that changes nothing on a miss.
+        result = self._pool.alloc_nowait(n, False)
+        if result is None:
+            if due is None:
+                due = self._time() + self._default_timeout
+            request = self._pool.alloc(n, self._pool_deadline(due))
+            if isinstance(request, int):  # it became a waiter
+                waited = True
+                result = await self._wait(request, due, f"alloc of {n} blocks")
+            else:
+                result = request
         if self._zero_on_alloc:
             self._zero_blocks(result)
+        if observe is not None:
+            observe(waited, time.perf_counter() - started)
         return result
 
     def alloc_nowait(self, n: int) -> list[int]:
@@ -199,7 +224,9 @@ class Allocator:
         Raises:
             TypeError: ``n`` is not an int (or is a bool).
             ValueError: ``n <= 0``.
-            WouldBlock: the blocks are not mapped and free now (mapping, if any, is started).
+            WouldBlock: the blocks are not mapped and free now. Mapping what the request lacks
+                is started (within the memory limit), so the same call retried succeeds once
+                the pages are mapped; the pages go to the reserve, held for nobody.
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
@@ -218,6 +245,15 @@ class Allocator:
         if self._zero_on_alloc:
             self._zero_blocks(result)
         return result
+
+    def available_blocks(self) -> int:
+        """Blocks an alloc could get now or by mapping within the memory limit.
+
+        Mapped free blocks, blocks being mapped, and the blocks of the pages the memory limit
+        still allows, less what waiting requests need: what a scheduler checks before admitting
+        a request. 0 once closed.
+        """
+        return int(self._pool.available_blocks())
 
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """Returns blocks to the pool. Synchronous; never blocks.
@@ -260,7 +296,7 @@ class Allocator:
             AllocatorClosed: the allocator is closed.
         """
         due = self._deadline(timeout, None)
-        request = self._pool.trim(due)
+        request = self._pool.trim(self._pool_deadline(due))
         if request:
             await self._wait(request, due, "trim")
 
@@ -285,7 +321,9 @@ class Allocator:
         if memory_limit is not None:
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
-        request = self._pool.set_limit_pages(self._limit_pages(memory_limit), due)
+        request = self._pool.set_limit_pages(
+            self._limit_pages(memory_limit), self._pool_deadline(due)
+        )
         if request:
             await self._wait(request, due, "resize")
 
@@ -437,6 +475,9 @@ class Allocator:
             ValueError: ``timeout`` is negative, NaN or infinite.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
+        if self._trio is not None:
+            await self._trio.close(wait)
+            return
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close(wait))
         # Shielded: a caller cancelled while waiting does not leave the close half done, and a
@@ -446,11 +487,15 @@ class Allocator:
     async def _close(self, wait: float) -> None:
         self._on_completions()  # what completed before the close is delivered as usual
         await self._close_pool(wait)
-        self._loop.remove_reader(self._fd)
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+        if self._loop is not None:  # always, on this (asyncio) path
+            self._loop.remove_reader(self._fd)
         # Completed during the close: their pages are gone, so they fail too.
         self._on_completions(closed=True)
         for request in list(self._pending):
             self._settle(request, AllocatorClosed("the allocator was closed"), None)
+        self._close_slots()
 
     async def _close_pool(self, wait: float) -> None:
         # pool.close releases the GIL and waits for the mapper at most `wait` (at least 1 s for
@@ -461,6 +506,7 @@ class Allocator:
         # matters. The loop waits for it with a deadline too; past it the thread is left to end
         # by itself (it holds the pool alive) and the close goes on.
         loop = self._loop
+        assert loop is not None  # the asyncio path; trio closes in its driver
         done: asyncio.Future[None] = loop.create_future()
 
         def close_pool() -> None:
@@ -508,10 +554,22 @@ class Allocator:
             # >= 0: a negative value would reach the pool as its "no deadline given" mark.
             return _validate.deadline(deadline, "deadline")
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
-        return self._loop.time() + wait
+        return self._time() + wait
+
+    def _time(self) -> float:
+        # The clock of `deadline=`: loop.time() on asyncio, trio.current_time() on trio.
+        return self._loop.time() if self._loop is not None else _loops.TrioDriver.time()
+
+    def _pool_deadline(self, due: float) -> float:
+        # Note [Clocks] in _loops: an enclosing cancel scope's deadline bounds the mapper too.
+        due = min(due, _loops.scope_deadline(self._library))
+        return due if self._trio is None else self._trio.to_pool_time(due)
 
     async def _wait(self, request: int, due: float, what: str) -> list[int]:
+        if self._trio is not None:
+            return await self._trio.wait(request, due, what)
         loop = self._loop
+        assert loop is not None, "an asyncio allocator has a loop (a bug otherwise)"
         if asyncio.get_running_loop() is not loop:
             self._pool.cancel(request, False)
             raise RuntimeError(
@@ -543,17 +601,18 @@ class Allocator:
         pending = self._pending.get(request)
         if pending is None:
             return
+        waited = self._time() - pending.started
+        self._settle(request, self._timeout_error(request, pending.what, waited), None)
+
+    def _timeout_error(self, request: int, what: str, waited: float) -> AllocTimeout:
         waiting_for = self._pool.cancel(request, True)
-        waited = self._loop.time() - pending.started
         if waiting_for:
             detail = f"waiting for {waiting_for}"
         else:  # not a waiter for blocks (a trim or resize), or its completion is on its way
             stats = self._pool.stats()
             op, age = stats["mapper_op"], stats["mapper_op_age_s"]
             detail = f"the mapper busy on {op} for {age:.3f} s" if op else "the mapper idle"
-        self._settle(
-            request, AllocTimeout(f"{pending.what} timed out after {waited:.3f} s, {detail}"), None
-        )
+        return AllocTimeout(f"{what} timed out after {waited:.3f} s, {detail}")
 
     def _settle(self, request: int, error: Exception | None, blocks: list[int] | None) -> None:
         pending = self._pending.pop(request)
@@ -567,23 +626,71 @@ class Allocator:
             pending.future.set_result(blocks or [])
 
     def _on_completions(self, closed: bool = False) -> None:
-        for request, status, blocks, message in self._pool.drain():
-            pending = request in self._pending
-            if blocks and (closed or not pending):
-                # Nobody will use them: the request was abandoned (timed out or cancelled), or
-                # its pages went with the close.
-                self._pool.free(blocks)
-                status, message = _CLOSED, "the allocator was closed"
-            if not pending:
-                continue
-            if status == _OK:
-                self._settle(request, None, blocks)
-            elif status == _MAP_ERROR:
-                self._settle(request, MapError(message), None)
-            elif status == _OUT_OF_BLOCKS:
-                self._settle(request, OutOfBlocks(message), None)
-            else:
-                self._settle(request, AllocatorClosed(message or "the allocator was closed"), None)
+        with self._slots.lock:  # Note [Slots]: a slot is registered before its record drains
+            for request, status, blocks, message in self._pool.drain():
+                self._complete(request, status, blocks, message, closed)
+
+    def _complete(
+        self, request: int, status: int, blocks: list[int], message: str, closed: bool
+    ) -> None:
+        pending = request in self._pending
+        slot = None if pending else self._slots.slots.pop(request, None)
+        if blocks and (closed or (not pending and slot is None)):
+            # Nobody will use them: the request was abandoned (timed out or cancelled), or its
+            # pages went with the close.
+            self._pool.free(blocks)
+            status, message, blocks = _CLOSED, "the allocator was closed", []
+        if slot is not None:
+            slot.deliver(status, blocks, message)
+        elif pending:
+            self._settle(request, _error_for(status, message), blocks)
+
+    # -- waits on slots: trio tasks and threads (Note [Slots] in _loops) ---------------------
+
+    def _abandon_slot(self, request: int, slot: _loops.Slot) -> None:
+        with self._slots.lock:
+            if self._slots.slots.get(request) is slot:
+                del self._slots.slots[request]
+                self._pool.cancel(request, False)  # None: its record is queued; drain frees it
+                return
+        if slot.status == _OK and slot.blocks:
+            self._pool.free(slot.blocks)  # delivered, then abandoned: give them back
+
+    def _slot_timed_out(self, request: int, slot: _loops.Slot, what: str, waited: float) -> None:
+        with self._slots.lock:
+            if self._slots.slots.get(request) is not slot:
+                return  # delivered meanwhile: the result wins
+            del self._slots.slots[request]
+            error = self._timeout_error(request, what, waited)
+        raise error
+
+    @staticmethod
+    def _slot_result(slot: _loops.Slot) -> list[int]:
+        error = _error_for(slot.status, slot.message)
+        if error is not None:
+            raise error
+        return slot.blocks
+
+    def _close_slots(self) -> None:
+        # Requests the close left without a record (a trim's barrier): they fail too.
+        with self._slots.lock:
+            slots, self._slots.slots = self._slots.slots, {}
+        for slot in slots.values():
+            slot.deliver(_CLOSED, [], "the allocator was closed")
+
+    def _finish_close(self) -> None:
+        # After pool.close: what completed during the close fails (its pages are gone).
+        self._on_completions(closed=True)
+        self._close_slots()
+
+    def _stall_tick(self) -> None:
+        if self._closing is not None or self._loop is None:
+            return
+        self._check_stall()
+        self._stall_timer = self._loop.call_later(self._stall_period, self._stall_tick)
+
+    def _check_stall(self) -> None:
+        self._stall.check(self._pool.stats())
 
     def _zero_blocks(self, ids: list[int]) -> None:
         from . import _block_ops
@@ -620,25 +727,14 @@ def _none_missing(ids: list[int]) -> list[int]:
     return []
 
 
-def _log_open(kv: Allocator) -> None:
-    """One INFO line at open: where the cache lives and what its geometry costs."""
-    if not _logger.isEnabledFor(logging.INFO):
-        return
-    layout, stats = kv.layout, kv.stats()
-    usable = stats.num_blocks - stats.unusable_blocks
-    _logger.info(
-        "opened: %s layout (%d range(s)), %s backend, page %d bytes per range, capacity %d "
-        "blocks (%d bytes); %d block id(s) across page boundaries never used (%d bytes, %.2f%%)",
-        "contiguous" if layout.contiguous else "per-layer",
-        layout.num_ranges,
-        kv.backend,
-        stats.page_bytes // layout.num_ranges,
-        usable,
-        usable * layout.block_bytes * layout.num_buffers,
-        stats.unusable_blocks,
-        stats.unusable_bytes,
-        100.0 * stats.unusable_blocks / stats.num_blocks,
-    )
+def _error_for(status: int, message: str) -> Exception | None:
+    if status == _OK:
+        return None
+    if status == _MAP_ERROR:
+        return MapError(message)
+    if status == _OUT_OF_BLOCKS:
+        return OutOfBlocks(message)
+    return AllocatorClosed(message or "the allocator was closed")
 
 
 @asynccontextmanager

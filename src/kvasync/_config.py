@@ -39,6 +39,7 @@ class Config:
         device: CUDA device ordinal (cuda backend).
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
+        stall_warning: seconds a mapper op may run before the ``kvasync`` logger warns of it.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number here).
@@ -55,6 +56,7 @@ class Config:
     faults: FaultInjector | None = None
     device: int = 0
     gpu_utilization: float = 0.95
+    stall_warning: float = 1.0
 
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
@@ -81,6 +83,8 @@ class Config:
         store("reserve_pages", self._check_reserve_pages())
         timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
         store("default_timeout", timeout)
+        stall = _validate.seconds(self.stall_warning, "Config.stall_warning", positive=True)
+        store("stall_warning", stall)
         _validate.flag(self.zero_on_alloc, "Config.zero_on_alloc")
         _validate.instance(self.faults, "Config.faults", testing.FaultInjector, optional=True)
         # The ordinal goes to the driver as a C int.

@@ -1,0 +1,304 @@
+"""SyncAllocator: the blocking face of an allocator, for synchronous schedulers in threads.
+
+A waiting call registers a slot for its own request (Note [Slots] in _loops) and waits on that
+request's own ``threading.Event`` with its deadline: no loop of the caller's, no shared condition
+variable, and any number of threads at once. The completions are drained by the loop that owns
+the allocator: a private loop thread for ``open_allocator_sync``, or the caller's own asyncio or
+trio loop for ``SyncAllocator(kv)`` (one allocator shared between a loop and threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from . import _loops
+from ._allocator import Allocator, _check_count
+from ._config import Config
+from ._errors import AllocatorClosed, AllocTimeout
+from ._layout import KVLayout
+from ._stats import AllocatorStats
+
+__all__ = ["SyncAllocator", "open_allocator_sync"]
+
+
+class _LoopThread:
+    """A private asyncio loop in a daemon thread: it drains the completions of the allocator."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="kvasync-loop", daemon=True
+        )
+        self.thread.start()
+
+    def run(self, coroutine: Any, timeout: float, what: str) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise AllocTimeout(f"{what} did not finish within {timeout:.3f} s") from None
+
+    def stop(self, timeout: float) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class SyncAllocator:
+    """The methods of ``Allocator`` without ``await``, callable from any thread.
+
+    Make one with ``open_allocator_sync`` (it owns a private loop thread), or wrap an allocator
+    already open on an asyncio or trio loop with ``SyncAllocator(kv)``, so that threads share it
+    with that loop. Blocking calls must not run on the owning loop's own thread (they would wait
+    for the loop they block): they raise ``RuntimeError`` there.
+    """
+
+    def __init__(self, allocator: Allocator, *, _owner: _LoopThread | None = None) -> None:
+        """Wraps ``allocator``; it stays owned (and closed) by its loop.
+
+        Raises:
+            TypeError: ``allocator`` is not a ``kvasync.Allocator``.
+        """
+        if not isinstance(allocator, Allocator):
+            raise TypeError(f"allocator must be a kvasync.Allocator, got {type(allocator)!r}")
+        self._kv = allocator
+        self._owner = _owner
+        self._closed = False
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def alloc(
+        self, n: int, *, timeout: float | None = None, deadline: float | None = None
+    ) -> list[int]:
+        """Allocates ``n`` blocks, blocking this thread at most until the deadline.
+
+        Args:
+            n: blocks to allocate.
+            timeout: seconds to wait; ``default_timeout`` when neither this nor deadline is given.
+            deadline: a ``time.monotonic()`` value to wait until, instead of ``timeout``.
+
+        Returns:
+            ``n`` distinct block ids.
+
+        Raises:
+            ValueError: ``n <= 0``, a bad timeout or deadline, or both given.
+            OutOfBlocks, AllocTimeout, MapError, AllocatorClosed: as ``Allocator.alloc``.
+            RuntimeError: called on the thread of the loop that owns the allocator.
+        """
+        kv = self._kv
+        n = _check_count(n, kv.config.max_blocks)
+        due = self._due(timeout, deadline)
+        self._check_thread()
+        observe = kv._observe
+        started = time.perf_counter()
+        result, waited = self._call(lambda: kv._pool.alloc(n, due), due, f"alloc of {n} blocks")
+        if kv._zero_on_alloc:
+            kv._zero_blocks(result)
+        if observe is not None:
+            observe(waited, time.perf_counter() - started)
+        return result
+
+    def alloc_nowait(self, n: int) -> list[int]:
+        """As ``Allocator.alloc_nowait``: never waits; a miss starts mapping what it lacks."""
+        return self._kv.alloc_nowait(n)
+
+    def available_blocks(self) -> int:
+        """As ``Allocator.available_blocks``."""
+        return self._kv.available_blocks()
+
+    def free(self, ids: Sequence[int], *, after: object = None) -> None:
+        """As ``Allocator.free``: never blocks; from any thread."""
+        self._kv.free(ids, after=after)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def trim(self, *, timeout: float | None = None) -> None:
+        """As ``Allocator.trim``, blocking this thread at most ``timeout``."""
+        kv = self._kv
+        due = self._due(timeout, None)
+        self._check_thread()
+        self._call(lambda: kv._pool.trim(due) or [], due, "trim")
+
+    def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
+        """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
+        kv = self._kv
+        if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
+            raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
+        pages = kv._limit_pages(memory_limit)
+        due = self._due(timeout, None)
+        self._check_thread()
+        self._call(lambda: kv._pool.set_limit_pages(pages, due) or [], due, "resize")
+
+    # -- block data, views and state: no waits, passed through -----------------------------
+
+    def gather(
+        self, ids: Sequence[int] | torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As ``Allocator.gather``."""
+        return self._kv.gather(ids, out)
+
+    def scatter(self, ids: Sequence[int] | torch.Tensor, src: torch.Tensor) -> None:
+        """As ``Allocator.scatter``."""
+        self._kv.scatter(ids, src)
+
+    def zero(self, ids: Sequence[int] | torch.Tensor) -> None:
+        """As ``Allocator.zero``."""
+        self._kv.zero(ids)
+
+    def copy(
+        self, src_ids: Sequence[int] | torch.Tensor, dst_ids: Sequence[int] | torch.Tensor
+    ) -> None:
+        """As ``Allocator.copy``."""
+        self._kv.copy(src_ids, dst_ids)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """As ``Allocator.layer``."""
+        return self._kv.layer(index)
+
+    def stats(self) -> AllocatorStats:
+        """As ``Allocator.stats``."""
+        return self._kv.stats()
+
+    @property
+    def num_blocks(self) -> int:
+        """Virtual capacity in blocks."""
+        return self._kv.num_blocks
+
+    @property
+    def layout(self) -> KVLayout:
+        """The KV cache's geometry."""
+        return self._kv.layout
+
+    @property
+    def config(self) -> Config:
+        """The settings the allocator was opened with."""
+        return self._kv.config
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: "host" or "cuda"."""
+        return self._kv.backend
+
+    @property
+    def allocator(self) -> Allocator:
+        """The async allocator underneath (bound to its loop)."""
+        return self._kv
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Closes the allocator and stops the private loop thread, within ``timeout`` (plus a
+        second for the thread to end). Idempotent.
+
+        Raises:
+            RuntimeError: this facade wraps an allocator of another loop: close it there.
+        """
+        if self._owner is None:
+            raise RuntimeError(
+                "this SyncAllocator wraps an allocator opened on an event loop: close it there "
+                "(await kv.close())"
+            )
+        wait = (
+            self._kv.config.default_timeout
+            if timeout is None
+            else Allocator._check_timeout(timeout)
+        )
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._owner.run(self._kv.close(timeout=wait), wait + 1.0, "close")
+        finally:
+            self._owner.stop(1.0)
+
+    def __enter__(self) -> SyncAllocator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _due(self, timeout: float | None, deadline: float | None) -> float:
+        if timeout is not None and deadline is not None:
+            raise ValueError("give either timeout or deadline, not both")
+        if deadline is not None:
+            if not isinstance(deadline, (int, float)) or deadline != deadline:
+                raise ValueError(f"deadline must be a time.monotonic() value, got {deadline!r}")
+            return float(deadline)
+        wait = (
+            self._kv.config.default_timeout
+            if timeout is None
+            else Allocator._check_timeout(timeout)
+        )
+        return time.monotonic() + wait
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() == self._kv._loop_thread:
+            raise RuntimeError(
+                "a blocking call on the thread of the loop that drains the allocator's "
+                "completions would wait for itself: use await kv.alloc() there"
+            )
+
+    def _call(
+        self, start: Callable[[], list[int] | int], due: float, what: str
+    ) -> tuple[list[int], bool]:
+        """Starts a request under the slot lock; waits on its own event until ``due``.
+
+        Returns the blocks and whether it had to wait.
+        """
+        kv = self._kv
+        with kv._slots.lock:
+            result = start()
+            if isinstance(result, list):
+                return result, False
+            event = threading.Event()  # only a waiter pays for one
+            slot = _loops.Slot(event.set)
+            kv._slots.slots[result] = slot
+        started = time.monotonic()
+        try:
+            delivered = event.wait(max(0.0, due - started))
+        except BaseException:  # KeyboardInterrupt in the wait: leak nothing
+            kv._abandon_slot(result, slot)
+            raise
+        if not delivered:
+            kv._slot_timed_out(result, slot, what, time.monotonic() - started)
+        return kv._slot_result(slot), True
+
+
+def open_allocator_sync(layout: KVLayout, config: Config | None = None) -> SyncAllocator:
+    """Opens an allocator for threads, with no event loop of the caller's.
+
+    It runs a private asyncio loop in a daemon thread that drains the completions. Close it with
+    ``close()`` or use it as a context manager (``with kvasync.open_allocator_sync(...) as kv``).
+
+    Args:
+        layout: the KV cache's geometry.
+        config: settings; ``Config()`` when None.
+
+    Returns:
+        The blocking allocator.
+
+    Raises:
+        ValueError: the layout and config do not fit together.
+        KVAsyncError: the backend cannot be used here.
+    """
+    owner = _LoopThread()
+    timeout = (config or Config()).default_timeout
+    try:
+        allocator = owner.run(Allocator.open(layout, config), timeout, "open")
+    except BaseException:
+        owner.stop(1.0)
+        raise
+    if not isinstance(allocator, Allocator):
+        raise AllocatorClosed("the allocator did not open")  # unreachable: a bug otherwise
+    return SyncAllocator(allocator, _owner=owner)

@@ -1,0 +1,78 @@
+"""kvasync.metrics: a scrape agrees with stats(), and the latency histograms fill."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvasync
+from kvasync import metrics
+
+LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+PER_PAGE = 512
+
+
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def test_a_scrape_agrees_with_stats_and_the_histograms_count_every_alloc(
+    kv_allocator, kv_faults
+):
+    faults = kv_faults  # the plugin's fixtures, under pytest-asyncio's auto mode
+    async with kv_allocator(reserve_pages=(0, 0)) as kv:
+        registry = CollectorRegistry()
+        metrics.register(kv, registry, name="model-a")
+        cold = await kv.alloc(PER_PAGE + 3)  # waits for two maps
+        hot = [await kv.alloc(2) for _ in range(5)]  # answered at once from page 1
+        faults.hang()
+        try:
+            with pytest.raises(kvasync.AllocTimeout):
+                await kv.alloc(PER_PAGE, timeout=0.05)
+            samples = scrape(registry)
+            stats = kv.stats()
+        finally:
+            faults.release()
+        label = (("allocator", "model-a"),)
+        for field in (
+            "used_blocks",
+            "free_blocks",
+            "mapped_pages",
+            "reserve_pages",
+            "inflight_pages",
+            "mapping_pages",
+            "waiters",
+            "mapped_bytes",
+        ):
+            assert samples[(f"kvasync_{field}", label)] == getattr(stats, field), field
+        assert samples[("kvasync_maps_total", label)] == stats.maps_done == 2
+        assert samples[("kvasync_timeouts_total", label)] == stats.timeouts == 1
+        assert samples[("kvasync_map_errors_total", label)] == stats.map_errors == 0
+        assert samples[("kvasync_unmaps_total", label)] == stats.unmaps_done
+        assert samples[("kvasync_inflight_pages", label)] == 1  # the hung map, at scrape time
+        hot_label = (("allocator", "model-a"), ("path", "hot"))
+        cold_label = (("allocator", "model-a"), ("path", "cold"))
+        assert samples[("kvasync_alloc_latency_seconds_count", hot_label)] == 5
+        assert samples[("kvasync_alloc_latency_seconds_count", cold_label)] == 1
+        assert samples[("kvasync_map_latency_seconds_count", label)] == 1  # one batch, one job
+        kv.free(cold + [b for blocks in hot for b in blocks])
+
+
+def test_register_counts_the_blocking_facade_and_rejects_a_duplicate():
+    with kvasync.open_allocator_sync(LAYOUT, kvasync.Config(backend="host")) as kv:
+        registry = CollectorRegistry()
+        collector = metrics.register(kv, registry)
+        kv.free(kv.alloc(4, timeout=5.0))
+        samples = scrape(registry)
+        assert samples[("kvasync_used_blocks", (("allocator", "kv"),))] == 0
+        with pytest.raises(ValueError):
+            metrics.register(kv, registry)  # same names, same labels
+        with pytest.raises(ValueError, match="name"):
+            metrics.register(kv, CollectorRegistry(), name="")
+        registry.unregister(collector)
+        assert "kvasync_used_blocks" not in generate_latest(registry).decode()

@@ -1,0 +1,76 @@
+"""The pytest plugin, run in a fresh pytest (pytester) in each mode its users run."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+import pytest
+import kvasync
+
+{marker}
+async def test_alloc_and_free(kv_allocator):
+    async with kv_allocator() as kv:
+        blocks = await kv.alloc(8)
+        assert kv.backend == "host" and kv.num_blocks == 2048
+        kv.free(blocks)
+
+{marker}
+async def test_overrides_and_faults(kv_allocator, kv_faults):
+    async with kv_allocator(max_blocks=64, reserve_pages=(0, 0)) as kv:
+        assert kv.num_blocks == 64
+        kv_faults.hang()
+        with pytest.raises(kvasync.AllocTimeout):
+            await kv.alloc(4, timeout=0.05)
+        kv_faults.release()
+
+@pytest.mark.kvasync_backend("cuda")
+{marker}
+async def test_cuda_marker_selects_cuda(kv_allocator):
+    async with kv_allocator() as kv:
+        assert kv.backend == "cuda"
+"""
+
+
+def run(pytester: pytest.Pytester, marker: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_user=USER_TESTS.format(marker=marker))
+    return pytester.runpytest("-p", "no:cacheprovider", "-q", *args)
+
+
+@pytest.mark.parametrize("mode", ["strict", "auto"])
+def test_the_fixtures_work_in_each_pytest_asyncio_mode(pytester, mode):
+    marker = "@pytest.mark.asyncio" if mode == "strict" else ""
+    result = run(
+        pytester,
+        marker,
+        "-o",
+        f"asyncio_mode={mode}",
+        "-o",
+        "asyncio_default_fixture_loop_scope=function",
+        "-p",
+        "no:anyio",
+    )
+    # The cuda test skips on a machine without a GPU, and passes on one.
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 3, result.stdout.str()
+    assert outcomes.get("passed", 0) >= 2 and "failed" not in outcomes and "errors" not in outcomes
+
+
+def test_the_fixtures_work_under_anyios_plugin_on_asyncio_and_trio(pytester):
+    pytester.makeconftest(
+        "import pytest\n"
+        "@pytest.fixture(params=['asyncio', 'trio'])\n"
+        "def anyio_backend(request):\n"
+        "    return request.param\n"
+    )
+    result = run(pytester, "@pytest.mark.anyio", "-p", "no:asyncio")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) >= 4 and "failed" not in outcomes, result.stdout.str()
+
+
+def test_the_backend_option_is_validated_by_name(pytester):
+    result = run(pytester, "", "--kvasync-backend=tpu")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*--kvasync-backend*invalid choice*tpu*"])

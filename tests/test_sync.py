@@ -1,0 +1,216 @@
+"""Synchronous schedulers: alloc_nowait that grows the cache, available_blocks, the blocking
+facade from many threads, and one allocator shared by a loop and threads."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import anyio
+import pytest
+from conftest import wait_until
+
+import kvasync
+from kvasync.testing import FaultInjector
+
+LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+PER_PAGE = 512
+PAGE_BYTES = (2 << 20) * LAYOUT.num_ranges
+
+
+def test_a_synchronous_loop_grows_the_cache_to_the_limit_with_alloc_nowait_alone():
+    cfg = kvasync.Config(
+        backend="host", max_blocks=16 * PER_PAGE, memory_limit=4 * PAGE_BYTES, reserve_pages=(0, 0)
+    )
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        assert kv.stats().mapped_pages == 0
+        assert kv.available_blocks() == 4 * PER_PAGE  # nothing mapped, all of it mappable
+        got: list[int] = []
+        misses = 0
+        errors: list[BaseException] = []
+
+        def scheduler() -> None:  # a plain thread: no event loop, no await
+            nonlocal misses
+            give_up = time.monotonic() + 10.0
+            try:
+                while kv.available_blocks() >= 100 and time.monotonic() < give_up:
+                    try:
+                        got.extend(kv.alloc_nowait(100))
+                    except kvasync.WouldBlock:
+                        misses += 1
+                        time.sleep(0.0005)  # a scheduler's next step, not a wait for an event
+            except BaseException as error:
+                errors.append(error)
+
+        thread = threading.Thread(target=scheduler)
+        thread.start()
+        thread.join(15.0)
+        assert not thread.is_alive() and errors == []
+        assert len(got) == len(set(got)) == 20 * 100  # 2048 blocks under the limit: 20 x 100
+        stats = kv.stats()
+        assert stats.mapped_pages == 4 and stats.used_blocks == 2000
+        assert misses > 0  # it did have to wait for maps: they were started by the misses
+        assert kv.available_blocks() == 48
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(100)  # at the limit: nothing more to map
+        assert kv.stats().mapping_pages == 0
+        kv.free(got)
+
+
+def test_pages_mapped_for_a_caller_that_never_returns_are_trimmed_as_usual():
+    cfg = kvasync.Config(backend="host", max_blocks=16 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(3 * PER_PAGE)
+        assert kv.stats().mapping_pages + kv.stats().mapped_pages == 3  # started, held by nobody
+        give_up = time.monotonic() + 10.0
+        while kv.stats().mapped_pages + kv.stats().inflight_pages > 0:
+            assert time.monotonic() < give_up, kv.stats()
+            time.sleep(0.01)
+        assert kv.stats().unmaps_done == 3
+
+
+def test_available_blocks_counts_free_mapped_and_mappable_less_waiters():
+    cfg = kvasync.Config(
+        backend="host", max_blocks=4 * PER_PAGE + 100, reserve_pages=(0, 0)
+    )  # a short last page
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        assert kv.available_blocks() == 4 * PER_PAGE + 100
+        blocks = kv.alloc(PER_PAGE + 1, timeout=5.0)
+        assert kv.available_blocks() == 3 * PER_PAGE + 99
+        kv.free(blocks)
+    assert kv.available_blocks() == 0  # closed
+
+
+def test_the_blocking_facade_serves_many_threads_at_once_and_leaks_nothing():
+    faults = FaultInjector()
+    cfg = kvasync.Config(
+        backend="host", max_blocks=8 * PER_PAGE, memory_limit=4 * PAGE_BYTES, faults=faults
+    )
+    faults.delay(0.001)
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        errors: list[BaseException] = []
+        timeouts = 0
+
+        def worker(seed: int) -> None:
+            nonlocal timeouts
+            rng = random.Random(seed)
+            try:
+                for _ in range(40):
+                    try:
+                        blocks = kv.alloc(rng.randint(1, 700), timeout=0.5)
+                    except kvasync.AllocTimeout:
+                        timeouts += 1
+                        continue
+                    kv.free(blocks)
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30.0)
+        assert not any(thread.is_alive() for thread in threads) and errors == []
+        stats = kv.stats()
+        assert (stats.used_blocks, stats.waiters) == (0, 0)
+        assert stats.timeouts == timeouts
+
+
+async def test_threads_and_the_loop_share_one_allocator_under_stress_with_zero_leaks():
+    cfg = kvasync.Config(
+        backend="host", max_blocks=8 * PER_PAGE, memory_limit=3 * PAGE_BYTES, reserve_pages=(0, 2)
+    )
+    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+        shared = kvasync.SyncAllocator(kv)
+        stop = time.monotonic() + 1.0
+        errors: list[BaseException] = []
+
+        def thread_worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                while time.monotonic() < stop:
+                    try:
+                        if rng.random() < 0.5:
+                            blocks = shared.alloc(rng.randint(1, 400), timeout=0.2)
+                        else:
+                            blocks = shared.alloc_nowait(rng.randint(1, 400))
+                    except (kvasync.AllocTimeout, kvasync.WouldBlock):
+                        continue
+                    shared.free(blocks)
+            except BaseException as error:
+                errors.append(error)
+
+        async def task_worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop:
+                try:
+                    with anyio.move_on_after(rng.choice([0.001, 0.05, 1.0])):  # cancels too
+                        blocks = await kv.alloc(rng.randint(1, 400), timeout=0.2)
+                        kv.free(blocks)
+                except kvasync.AllocTimeout:
+                    pass
+                await asyncio.sleep(0)
+
+        threads = [threading.Thread(target=thread_worker, args=(s,)) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        await asyncio.wait_for(asyncio.gather(*(task_worker(s) for s in range(4))), 20.0)
+        for thread in threads:
+            await asyncio.to_thread(thread.join, 20.0)
+        assert not any(thread.is_alive() for thread in threads) and errors == []
+        await wait_until(lambda: kv.stats().inflight_pages == 0 and kv.stats().waiters == 0)
+        stats = kv.stats()
+        assert stats.used_blocks == 0
+        assert kv._slots.slots == {} and kv._pending == {}
+
+
+async def test_a_blocking_call_on_the_loop_thread_raises_instead_of_deadlocking():
+    cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+    async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+        shared = kvasync.SyncAllocator(kv)
+        with pytest.raises(RuntimeError, match="wait for itself"):
+            shared.alloc(1, timeout=1.0)
+        with pytest.raises(RuntimeError, match="close it there"):
+            shared.close()
+        with pytest.raises(TypeError, match=r"kvasync\.Allocator"):
+            kvasync.SyncAllocator(shared)  # type: ignore[arg-type]
+
+
+def test_the_facade_rejects_bad_arguments_and_closed_use():
+    with kvasync.open_allocator_sync(LAYOUT, kvasync.Config(backend="host")) as kv:
+        with pytest.raises(ValueError, match="positive"):
+            kv.alloc(0)
+        with pytest.raises(ValueError, match="timeout"):
+            kv.alloc(1, timeout=-1.0)
+        with pytest.raises(ValueError, match="not both"):
+            kv.alloc(1, timeout=1.0, deadline=time.monotonic() + 1)
+        blocks = kv.alloc(3, deadline=time.monotonic() + 5.0)
+        kv.free(blocks)
+    kv.close()  # idempotent
+    with pytest.raises(kvasync.AllocatorClosed):
+        kv.alloc(1, timeout=1.0)
+
+
+def test_threads_share_an_allocator_opened_under_trio():
+    import trio
+
+    async def main() -> None:
+        cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+        async with kvasync.open_allocator(LAYOUT, cfg) as kv:
+            shared = kvasync.SyncAllocator(kv)
+            with pytest.raises(RuntimeError, match="wait for itself"):
+                shared.alloc(1, timeout=1.0)  # on trio's own thread
+
+            def in_thread() -> int:
+                blocks = shared.alloc(PER_PAGE + 1, timeout=5.0)  # waits for maps
+                shared.free(blocks)
+                return len(blocks)
+
+            with trio.fail_after(10):
+                assert await trio.to_thread.run_sync(in_thread) == PER_PAGE + 1
+            assert kv.stats().used_blocks == 0 and kv._slots.slots == {}
+
+    trio.run(main)
