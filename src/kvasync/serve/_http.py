@@ -1,5 +1,6 @@
 """The HTTP server: an OpenAI-compatible ``/v1/completions`` (streaming by server-sent events),
-``/v1/models``, ``/metrics`` (Prometheus text) and ``/health``, on FastAPI + uvicorn.
+``/v1/models``, ``/metrics`` (Prometheus text: the engine's counters and kvasync.metrics of its
+KV cache) and ``/health``, on FastAPI + uvicorn.
 
 The engine is opened in the app's lifespan, so its allocator belongs to uvicorn's event loop.
 """
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 
+from ..metrics import register as register_kv_metrics
 from ._engine import Engine, EngineConfig
 from ._errors import DeadlineExceeded, EngineClosed, RequestFailed
 
@@ -68,14 +70,12 @@ class _EngineCollector:
             ("prompt_tokens", s.prompt_tokens, "prompt tokens of requests that started"),
             ("generation_tokens", s.output_tokens, "tokens generated"),
         ):
-            yield CounterMetricFamily(f"kvasync_{name}", help_text, value=value)
+            yield CounterMetricFamily(f"kvasync_engine_{name}", help_text, value=value)
         for name, value, help_text in (
             ("requests_running", s.running, "requests in the running batch"),
             ("requests_waiting", s.waiting, "requests waiting for admission"),
-            ("kv_used_blocks", s.kv_used_blocks, "KV blocks held by requests"),
-            ("kv_mapped_bytes", s.kv_mapped_bytes, "physical KV memory mapped"),
         ):
-            yield GaugeMetricFamily(f"kvasync_{name}", help_text, value=value)
+            yield GaugeMetricFamily(f"kvasync_engine_{name}", help_text, value=value)
 
 
 def create_app(config: EngineConfig) -> FastAPI:
@@ -91,6 +91,7 @@ def create_app(config: EngineConfig) -> FastAPI:
         engine = await Engine.open(config)
         registry = CollectorRegistry()
         registry.register(_EngineCollector(engine))
+        register_kv_metrics(engine.kv, registry, name=config.name)  # the KV cache's own metrics
         state.update(engine=engine, registry=registry)
         try:
             yield
