@@ -13,7 +13,7 @@ One asyncio task runs the engine, step after step:
    admission pauses until blocks are freed. With nothing running it waits up to the request's
    own deadline: there is nothing else to do.
 3. Grow: a running request about to cross into a new block gets it with ``await kv.alloc``. When
-   the allocator says it cannot fit (``kv.stats()`` shows too few free and mappable blocks, or the
+   the allocator says it cannot fit (``kv.available_blocks()`` is too few, or the
    alloc times out or raises OutOfBlocks), the engine preempts the youngest running request: it
    frees its blocks and puts it back in the queue, to be recomputed from its prompt and the
    tokens it already produced (recompute preemption). A request alone that cannot grow waits up
@@ -283,7 +283,6 @@ class Engine:
         )
         self.runner = ModelRunner(model, kv, use_kernel)
         self._block_size = model.config.block_size
-        self._blocks_per_page = kv.layout.blocks_per_page(kv.config.page_size)
         self._loop = asyncio.get_running_loop()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -600,9 +599,7 @@ class Engine:
 
     def _fits(self, need: int) -> bool:
         """Whether ``need`` blocks are free or could be mapped under the memory limit now."""
-        s = self.kv.stats()
-        mappable = max(0, s.memory_limit_pages - s.mapped_pages - s.mapping_pages)
-        return s.free_blocks + mappable * self._blocks_per_page >= need
+        return self.kv.available_blocks() >= need
 
     async def _grow(self) -> None:
         for request in list(self._running):  # oldest first: the youngest are preempted first
