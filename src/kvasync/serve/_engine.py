@@ -9,15 +9,16 @@ One asyncio task runs the engine, step after step:
 2. Admit waiting requests, oldest first, while the batch has room (``max_batch`` requests,
    ``max_batch_tokens`` new tokens): each gets the blocks for its tokens with ``await kv.alloc``.
    With other requests running, the alloc waits at most ``alloc_timeout`` (pages being mapped
-   arrive in well under that), so that a full cache never stalls the running batch; on a timeout
-   admission pauses until blocks are freed. With nothing running it waits up to the request's
-   own deadline: there is nothing else to do.
+   arrive in well under that), so that a full cache stalls the running batch at most that long;
+   on a timeout admission pauses until blocks are freed. With nothing running it waits up to the
+   earliest deadline of the waiting requests (then expires them and tries again): there is
+   nothing else to do.
 3. Grow: a running request about to cross into a new block gets it with ``await kv.alloc``. When
    the allocator says it cannot fit (``kv.available_blocks()`` is too few, or the
    alloc times out or raises OutOfBlocks), the engine preempts the youngest running request: it
    frees its blocks and puts it back in the queue, to be recomputed from its prompt and the
-   tokens it already produced (recompute preemption). A request alone that cannot grow waits up
-   to its deadline; one that can never fit fails with RequestFailed.
+   tokens it already produced (recompute preemption). A request alone that cannot grow waits as
+   an admission does; one that can never fit fails with RequestFailed.
 4. Step: one forward pass over the new tokens of every running request (prefill and decode in one
    batch), run in a worker thread so the loop keeps serving HTTP. Each request then gets its next
    token.
