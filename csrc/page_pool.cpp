@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "errors.h"
+#include "trace.h"
 
 namespace kvasync {
 namespace {
@@ -198,6 +199,7 @@ std::vector<int64_t> PagePool::highest_reserve(int64_t max_pages) const {
 
 void PagePool::push_job(Job job) {
   jobs_[job.deadline].push_back(std::move(job));
+  trace::mark(trace::kJobQueued);
   mapper_.wake();
 }
 
@@ -407,12 +409,14 @@ void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const st
   completions_.push({request_id, status, {}, message});
 }
 
-int64_t PagePool::trim(double deadline_s) {
+int64_t PagePool::trim(double deadline_s, bool release_cached) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   if (reserve_.empty() || !waiters_.empty()) return 0;
   const int64_t id = next_request_id_++;
-  push_job(make_unmap_job(highest_reserve(reserve_.size()), id, to_time_point(deadline_s)));
+  Job job = make_unmap_job(highest_reserve(reserve_.size()), id, to_time_point(deadline_s));
+  job.keep_cached = !release_cached;
+  push_job(std::move(job));
   return id;
 }
 

@@ -81,6 +81,7 @@ struct Job {
   std::vector<int64_t> pages;  // ascending
   Clock::time_point deadline;
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
+  bool keep_cached = false;       // a trim that keeps the backend's pooled handles
 };
 
 // One job holding the pages of `jobs` (map jobs, run as one batch).
@@ -115,10 +116,17 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // (its completion is already queued). `timed_out` counts it in stats.
   std::optional<std::string> cancel(int64_t request_id, bool timed_out);
   std::vector<Completion> drain() { return completions_.drain(); }
+  // The completion of `request_id` if it comes within `spin_s` (spinning; the caller has
+  // released the GIL), taken alone. See Note [Spinning wake-up] in wakeup.h.
+  std::optional<Completion> take_completion(int64_t request_id, double spin_s) {
+    return completions_.take(request_id, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                            std::chrono::duration<double>(spin_s)));
+  }
   int completion_fd() const { return completions_.fd(); }
 
   // Returns a barrier request id completed when the unmaps are done, or 0 when there is none.
-  int64_t trim(double deadline_s);
+  // `release_cached`: also give back what the backend keeps for quick re-mapping (cuda handles).
+  int64_t trim(double deadline_s, bool release_cached = true);
   int64_t set_limit_pages(int64_t limit_pages, double deadline_s);
   // Returns true when the mapper thread was joined, false when it was abandoned at the deadline.
   bool close(double timeout_s);

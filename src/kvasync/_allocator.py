@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import _core
-from ._backends import buffer_views, create_backend, make_fence
+from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
@@ -85,12 +85,15 @@ class Allocator:
         self._loop = loop
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
-        blocks_per_page = layout.blocks_per_page(config.page_size)
+        self._spin_s = 0.0  # seconds _wait spins for a completion before it sleeps
+        page_size = page_size_for(layout, config)
+        self._page_size = page_size
+        blocks_per_page = layout.blocks_per_page(page_size)
         self._blocks_per_page = blocks_per_page
         num_pages = -(-config.max_blocks // blocks_per_page)
-        self._page_bytes = config.page_size * layout.num_ranges
+        self._page_bytes = page_size * layout.num_ranges
         self._num_pages = num_pages
-        self._backend = create_backend(layout, config, num_pages)
+        self._backend = create_backend(layout, config, num_pages, page_size)
         low, high = config.reserve_pages
         self._pool = _core.PagePool(
             self._backend,
@@ -217,11 +220,14 @@ class Allocator:
 
     # -- memory -----------------------------------------------------------------------------
 
-    async def trim(self, *, timeout: float | None = None) -> None:
+    async def trim(self, *, timeout: float | None = None, release_handles: bool = True) -> None:
         """Unmaps every mapped-free page now and waits until the memory is given back.
 
         Args:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
+            release_handles: (cuda) also release the pooled physical handles. False keeps up to
+                the reserve's high watermark of them, still allocated on the device, so that the
+                next map skips cuMemCreate (and this trim skips cuMemRelease).
 
         Raises:
             AllocTimeout: the unmaps did not finish in time.
@@ -229,7 +235,7 @@ class Allocator:
             AllocatorClosed: the allocator is closed.
         """
         due = self._deadline(timeout, None)
-        request = self._pool.trim(due)
+        request = self._pool.trim(due, release_handles)
         if request:
             await self._wait(request, due, "trim")
 
@@ -362,6 +368,11 @@ class Allocator:
         return self._config.max_blocks
 
     @property
+    def page_size(self) -> int:
+        """The unit of mapping in use: bytes of each virtual range that one page id maps."""
+        return self._page_size
+
+    @property
     def layout(self) -> KVLayout:
         """The KV cache's geometry."""
         return self._layout
@@ -453,6 +464,13 @@ class Allocator:
                 "this allocator belongs to the event loop that opened it; open one allocator per "
                 "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
             )
+        if self._spin_s > 0.0:
+            # Note [Spinning wake-up] (csrc/wakeup.h): a map that takes tens of microseconds is
+            # awaited faster by spinning for its record than by sleeping until the loop wakes.
+            spin = min(self._spin_s, due - loop.time())
+            record = self._pool.take_completion(request, spin) if spin > 0 else None
+            if record is not None:
+                return self._result_of(*record)
         future: asyncio.Future[list[int]] = loop.create_future()
         timer = loop.call_at(due, self._on_deadline, request)
         self._pending[request] = _Pending(future, timer, what, loop.time())
@@ -461,6 +479,16 @@ class Allocator:
         except asyncio.CancelledError:
             self._abandon(request, future)
             raise
+
+    @staticmethod
+    def _result_of(status: int, blocks: list[int], message: str) -> list[int]:
+        if status == _OK:
+            return blocks
+        if status == _MAP_ERROR:
+            raise MapError(message)
+        if status == _OUT_OF_BLOCKS:
+            raise OutOfBlocks(message)
+        raise AllocatorClosed(message or "the allocator was closed")
 
     def _abandon(self, request: int, future: asyncio.Future[list[int]]) -> None:
         # See Note [Futures and ownership].

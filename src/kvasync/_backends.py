@@ -10,7 +10,19 @@ from ._config import Config
 from ._errors import KVAsyncError
 from ._layout import KVLayout
 
-__all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
+__all__ = [
+    "buffer_views",
+    "create_backend",
+    "default_page_size",
+    "make_fence",
+    "page_size_for",
+    "range_tensor",
+    "resolve_backend",
+]
+
+# The host backend's unit when none is given: its cost is per byte (fallocate and populate), with
+# no per-call cost to amortise, so a small unit only makes it more elastic.
+HOST_PAGE_SIZE = 2 << 20
 
 
 def cuda_driver_error(device: int = 0) -> str | None:
@@ -34,7 +46,43 @@ def resolve_backend(config: Config) -> str:
     return "host" if problem is not None else "cuda"
 
 
-def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Backend:
+def default_page_size(layout: KVLayout, backend: str, granularity: int) -> int:
+    """The unit of mapping ``Config(page_size=None)`` picks, in bytes per virtual range.
+
+    On cuda the driver's cost is per physical handle, nearly independent of its size up to
+    128 MiB (DESIGN.md, "Measured limits"), so a page id holds one ``granularity`` page of every
+    layer and buffer: on the contiguous layout one handle of ``granularity * num_buffers`` bytes
+    (128 MiB for 32 layers of K and V), on the per-layer layout ``granularity`` in each range. It
+    is rounded up to hold at least one block. On host, ``HOST_PAGE_SIZE`` per range.
+
+    Args:
+        layout: the KV cache's geometry.
+        backend: "cuda" or "host".
+        granularity: the driver's allocation granularity (cuda), in bytes.
+    """
+    if backend != "cuda":
+        return HOST_PAGE_SIZE
+    unit = granularity * (layout.num_buffers if layout.contiguous else 1)
+    stride = layout.range_block_bytes
+    return max(unit, -(-stride // granularity) * granularity)
+
+
+def page_size_for(layout: KVLayout, config: Config) -> int:
+    """``config.page_size``, or the default for the backend ``config`` resolves to.
+
+    Raises:
+        KVAsyncError: the backend cannot be used here.
+    """
+    if config.page_size is not None:
+        return config.page_size
+    backend = resolve_backend(config)
+    granularity = _core.cuda_granularity(config.device) if backend == "cuda" else 0
+    return default_page_size(layout, backend, granularity)
+
+
+def create_backend(
+    layout: KVLayout, config: Config, num_pages: int, page_size: int
+) -> _core.Backend:
     """Reserves the virtual ranges for ``layout``, wrapped by ``config.faults`` if any.
 
     Raises:
@@ -43,14 +91,14 @@ def create_backend(layout: KVLayout, config: Config, num_pages: int) -> _core.Ba
     name = resolve_backend(config)
     backend: _core.Backend
     if name == "host":
-        backend = _core.HostBackend(layout.num_ranges, num_pages, config.page_size)
+        backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
         # The handle pool keeps up to the reserve's high watermark of unmapped handles.
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
-            config.page_size,
+            page_size,
             config.reserve_pages[1],
             config.gpu_utilization,
         )

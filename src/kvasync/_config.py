@@ -23,8 +23,10 @@ class Config:
             when a driver and a GPU are there, else host).
         max_blocks: virtual capacity, in blocks. Reserving it costs address space, not memory.
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
-        page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
-            granularity on cuda, of the OS page on host).
+        page_size: the unit of mapping: bytes of each virtual range that one page id maps (a
+            multiple of the driver's granularity on cuda, of 4096 on host). None picks it for
+            the backend: on cuda one granularity page (2 MiB)
+            of every layer and buffer per page id, on host 2 MiB per range.
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
@@ -40,7 +42,7 @@ class Config:
     backend: str = "auto"
     max_blocks: int = 4096
     memory_limit: int | None = None
-    page_size: int = 2 << 20
+    page_size: int | None = None
     reserve_pages: tuple[int, int] = (1, 4)
     default_timeout: float = 5.0
     zero_on_alloc: bool = False
@@ -59,9 +61,12 @@ class Config:
             raise ValueError(
                 f"Config.memory_limit must be a positive int or None, got {self.memory_limit!r}"
             )
-        if type(self.page_size) is not int or self.page_size <= 0 or self.page_size % 4096:
+        if self.page_size is not None and (
+            type(self.page_size) is not int or self.page_size <= 0 or self.page_size % 4096
+        ):
             raise ValueError(
-                f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
+                f"Config.page_size must be None or a positive multiple of 4096, "
+                f"got {self.page_size!r}"
             )
         low, high = self.reserve_pages
         if not (type(low) is int and type(high) is int and 0 <= low <= high):
