@@ -291,7 +291,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, Figures, Figures | No
 
 
 def print_header(args: argparse.Namespace, kv: kvasync.Allocator, plan: Plan) -> None:
-    layout, config = kv.layout, kv.config
+    layout = kv.layout
     print("kvasync allocator hot path vs a pure-Python free-list allocator (same run)")
     print(
         f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "

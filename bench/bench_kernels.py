@@ -308,17 +308,22 @@ def sweep_gather(kernels: ModuleType, args: argparse.Namespace) -> None:
         out = torch.empty(shape, dtype=cache.buffers[0].dtype, device=DEVICE)
         gib = 2 * n * len(cache.buffers) * cache.block_bytes / 2**30
         print(f"gather sweep, interleaved, {n} blocks: TB/s (/ copy peak {peak / 1e12:.2f})")
-        for bufs in (1, 4):
-            for stream in (False, True):
-                for chunk in (4096, 16384):
-                    for warps in (8, 16):
-                        block_copy._CHUNK_BYTES, block_copy._NUM_WARPS = chunk, warps
-                        block_copy._GATHER_BUFS, block_copy._GATHER_STREAM = bufs, stream
-                        bps = gib * 2**30 / time_ms(lambda: kernels.gather_blocks(table, ids, out))
-                        print(
-                            f"  bufs {bufs} stream {int(stream)} chunk {chunk:5d} B "
-                            f"{warps:2d} warps: {bps / 1e9:.2f} ({bps * 1e3 / peak:.3f})"
-                        )
+        settings = [
+            (bufs, stream, chunk, warps)
+            for bufs in (1, 2)
+            for stream in (False, True)
+            for chunk in (4096, 8192)
+            for warps in (8, 16)
+        ]
+        for bufs, stream, chunk, warps in settings:
+            block_copy._CHUNK_BYTES, block_copy._NUM_WARPS = chunk, warps
+            block_copy._GATHER_BUFS, block_copy._GATHER_STREAM = bufs, stream
+            ms = time_ms(lambda ids=ids, out=out: kernels.gather_blocks(table, ids, out))
+            bps = gib * 2**30 / ms * 1e3
+            print(
+                f"  bufs {bufs} stream {int(stream)} chunk {chunk:5d} B {warps:2d} warps: "
+                f"{bps / 1e12:.2f} TB/s ({bps / peak:.3f})"
+            )
     (
         block_copy._CHUNK_BYTES,
         block_copy._NUM_WARPS,

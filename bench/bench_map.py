@@ -80,14 +80,6 @@ def driver_floors(repeats: int) -> dict[int, dict[str, float]]:
     return {mib: _core.cuda_driver_floor(0, mib * MIB, 1, repeats, True) for mib in HANDLE_MIB}
 
 
-def handle_floor(
-    floors: dict[int, dict[str, float]], handle_mib: int, repeats: int
-) -> dict[str, float]:
-    if handle_mib not in floors:
-        floors[handle_mib] = _core.cuda_driver_floor(0, handle_mib * MIB, 1, repeats, True)
-    return floors[handle_mib]
-
-
 async def timed_alloc(kv: kvasync.Allocator, n: int) -> tuple[float, list[int], dict[str, int]]:
     start = time.monotonic_ns()
     ids = await kv.alloc(n)
@@ -97,9 +89,29 @@ async def timed_alloc(kv: kvasync.Allocator, n: int) -> tuple[float, list[int], 
     return (end - start) / 1e9, ids, trace
 
 
+def floor_sample(kv: kvasync.Allocator) -> dict[str, float]:
+    """One sample of the driver's time for the handles of one page id of ``kv``, in seconds:
+    the bare calls on a reservation as large as ``kv``'s, taken between the allocator's runs so
+    that both see the driver in the same state."""
+    layout = kv.layout
+    pages = -(-kv.num_blocks // layout.blocks_per_page(kv.page_size))
+    if layout.contiguous:
+        f = _core.cuda_driver_floor(0, kv.page_size, 1, 1, True, pages)
+        release = f["release"]
+    else:
+        f = _core.cuda_driver_floor_ranges(0, kv.page_size, layout.num_ranges, 1, 1, True, pages)
+        release = f["release"]
+    return {
+        "fresh": f["cold_map"],
+        "fresh_pooled": f["pool_map"],
+        "cycle": f["cold_map"] + f["unmap"] + release,
+        "cycle_pooled": f["pool_map"] + f["unmap"],
+    }
+
+
 async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> dict[str, Any]:
     layout = case.layout()
-    out: dict[str, Any] = {"case": case.name}
+    out: dict[str, Any] = {"case": case.name, "floor": {}, "trace": {}}
     config = kvasync.Config(
         backend="cuda",
         max_blocks=BURST_BLOCKS,
@@ -128,6 +140,7 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
         reserve_pages=(0, 4),
         default_timeout=30,
     )
+    pages_per_cycle = max(1, CYCLE_BLOCKS // out["blocks_per_page"])
     async with kvasync.open_allocator(layout, config) as kv:
         if spin_s is not None:
             kv._spin_s = spin_s
@@ -136,8 +149,9 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
             ("fresh_idle", True, IDLE_S),
             ("fresh_pooled", False, 0.0),
         ):
-            times, traces = [], []
+            times, traces, floors = [], [], []
             for _ in range(repeats + 3):
+                floors.append(floor_sample(kv)["fresh_pooled" if not release else "fresh"])
                 await kv.trim(release_handles=release)
                 if idle:
                     await asyncio.sleep(idle)
@@ -146,11 +160,12 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
                 times.append(seconds)
                 traces.append(trace)
             out[name] = median(times[3:])
-            if name == "fresh":
-                out["trace"] = {k: median([t[k] for t in traces[3:]]) for k in traces[0]}
+            out["floor"][name] = median(floors[3:])
+            out["trace"][name] = {k: median([t[k] for t in traces[3:]]) for k in traces[0]}
         for name, release in (("cycle", True), ("cycle_pooled", False)):
-            times = []
+            times, floors = [], []
             for _ in range(repeats + 3):
+                floors.append(pages_per_cycle * floor_sample(kv)[name])
                 await kv.trim(release_handles=release)
                 start = time.perf_counter()
                 ids = await kv.alloc(CYCLE_BLOCKS)
@@ -158,8 +173,9 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
                 await kv.trim(release_handles=release)
                 times.append(time.perf_counter() - start)
             out[name] = median(times[3:])
+            out["floor"][name] = median(floors[3:])
         await kv.trim()
-    bursts = []
+    bursts, floors = [], []
     config = kvasync.Config(
         backend="cuda",
         max_blocks=BURST_BLOCKS,
@@ -167,6 +183,7 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
         reserve_pages=(0, 0),
         default_timeout=30,
     )
+    pages = BURST_BLOCKS // out["blocks_per_page"]
     for _ in range(3):
         async with kvasync.open_allocator(layout, config) as kv:
             if spin_s is not None:
@@ -175,39 +192,12 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
             ids = await kv.alloc(BURST_BLOCKS)
             bursts.append(time.perf_counter() - start)
             kv.free(ids)
+        # The same handles from the bare driver: one run of `pages` per range.
+        f = _core.cuda_driver_floor(0, kv.page_size, pages, 1, True)
+        floors.append(f["cold_map"] * pages * layout.num_ranges)
     out["burst"] = min(bursts)
+    out["floor"]["burst"] = min(floors)
     return out
-
-
-def floors_for(
-    case: dict[str, Any], contiguous: bool, floors: dict[int, dict[str, float]], repeats: int
-) -> dict[str, float]:
-    """The driver's time for the handles each figure of ``case`` maps, in seconds."""
-    page_mib = int(case["page_mib"])
-    pages_burst = BURST_BLOCKS // case["blocks_per_page"]
-    if contiguous:
-        f = handle_floor(floors, page_mib, repeats)
-        burst = _core.cuda_driver_floor(0, page_mib * MIB, pages_burst, 2, True)
-        cycle_pages = max(1, CYCLE_BLOCKS * BLOCK_MIB // page_mib)
-        return {
-            "fresh": f["cold_map"],
-            "fresh_pooled": f["pool_map"],
-            "cycle": cycle_pages * (f["cold_map"] + f["unmap"] + f["release"]),
-            "cycle_pooled": cycle_pages * (f["pool_map"] + f["unmap"]),
-            "burst": burst["cold_map"] * pages_burst,
-        }
-    handle_mib = page_mib // 64
-    ranges = _core.cuda_driver_floor_ranges(0, handle_mib * MIB, 64, repeats, 1)
-    f = handle_floor(floors, handle_mib, repeats)
-    cycle_pages = max(1, CYCLE_BLOCKS * BLOCK_MIB // page_mib)
-    run = _core.cuda_driver_floor(0, handle_mib * MIB, pages_burst, 2, True)
-    return {
-        "fresh": ranges["cold_map"],
-        "fresh_pooled": ranges["pool_map"],
-        "cycle": cycle_pages * (ranges["cold_map"] + ranges["unmap"] + 64 * f["release"]),
-        "cycle_pooled": cycle_pages * (ranges["pool_map"] + ranges["unmap"]),
-        "burst": 64 * run["cold_map"] * pages_burst,
-    }
 
 
 def main() -> None:
@@ -243,13 +233,30 @@ def main() -> None:
         )
     results["floor"] = floors
     print()
-    print("per-layer page id (64 ranges x 2 MiB handles), driver calls split over threads (ms):")
-    for threads in args.threads:
-        r = _core.cuda_driver_floor_ranges(0, 2 * MIB, 64, args.repeats, threads)
-        results["floor"][f"ranges_threads_{threads}"] = r
+    print("Does the reservation's size matter? create+map+access / map+access of one handle (us):")
+    for mib, reserve in ((2, 1), (2, 8192), (128, 1), (128, 128)):
+        f = _core.cuda_driver_floor(0, mib * MIB, 1, args.repeats, True, reserve)
+        results["floor"][f"{mib}_reserve_{reserve}"] = f
         print(
-            f"  {threads} thread(s): create+map+access {r['cold_map'] * 1e3:.2f}, "
-            f"map+access {r['pool_map'] * 1e3:.2f}, unmap {r['unmap'] * 1e3:.2f}"
+            f"  {mib} MiB handle in a {mib * reserve} MiB reservation: "
+            f"{f['cold_map'] * US:.1f} / {f['pool_map'] * US:.1f}"
+        )
+    print()
+    print("per-layer page id (64 ranges x 2 MiB handles), driver calls (ms): order, reservation,")
+    print("threads (the ranges split between them, each making its own calls)")
+    for threads, first, reserve in (
+        (1, False, 1),
+        (1, True, 1),
+        (1, True, 128),
+        *((t, True, 128) for t in args.threads if t > 1),
+    ):
+        r = _core.cuda_driver_floor_ranges(0, 2 * MIB, 64, args.repeats, threads, first, reserve)
+        results["floor"][f"ranges_{threads}_{first}_{reserve}"] = r
+        order = "all creates first" if first else "create+map+access per range"
+        print(
+            f"  {threads} thread(s), {order}, {2 * reserve} MiB ranges: create+map+access "
+            f"{r['cold_map'] * 1e3:.2f}, map+access {r['pool_map'] * 1e3:.2f}, "
+            f"unmap {r['unmap'] * 1e3:.2f}, release {r['release'] * 1e3:.2f}"
         )
     print()
 
@@ -265,8 +272,7 @@ def main() -> None:
             continue
         spin_s = None if args.loop_spin_us is None else args.loop_spin_us / US
         fig = asyncio.run(allocator_figures(case, args.repeats, spin_s))
-        floor = floors_for(fig, case.contiguous, floors, args.repeats)
-        fig["floor"] = floor
+        floor = fig["floor"]
         results["cases"].append(fig)
         cyc_mib = CYCLE_BLOCKS * BLOCK_MIB
         print(
@@ -292,13 +298,13 @@ def main() -> None:
         )
     print()
 
-    print("## 3. Where a fresh alloc's time goes (contiguous, default page), median us after the")
-    print("alloc call (points in csrc/trace.h; 'resumed' = the awaiting task has its blocks)")
+    print("## 3. Where a fresh alloc's time goes: median us after the alloc call at each point of")
+    print("csrc/trace.h ('resumed': the awaiting task has its blocks)")
     print()
     for fig in results["cases"]:
-        trace = fig["trace"]
-        steps = " -> ".join(f"{k} {v / 1e3:.1f}" for k, v in trace.items() if v > 0)
-        print(f"- {fig['case']}: {steps}")
+        for name, trace in fig["trace"].items():
+            steps = " -> ".join(f"{k} {v / 1e3:.1f}" for k, v in trace.items() if v > 0)
+            print(f"- {fig['case']}, {name}: {steps}")
     print()
     print_goals(results)
     if args.json:

@@ -24,13 +24,14 @@ constexpr auto kHandleGrace = std::chrono::milliseconds(5);
 // cuMemGetInfo costs ~8 us, a sixth of a cold map's driver time: a map must not pay it each time.
 // The backend keeps the last reading and adds what it created since (its releases are not
 // subtracted: the estimate only errs towards less headroom). A map uses a reading up to
-// kMemoryInfoMaxAge old, and the mapper's upkeep reads it again right after every map or unmap,
-// once the job's completion is on its way: a map that follows another within that age (a burst,
-// a trim then an alloc) pays no cuMemGetInfo; one after a longer idle time reads it itself. What
-// other processes allocated since the reading is not seen: the guard can be late by at most that
-// age (the driver still refuses what does not fit). A refusal is always confirmed by a fresh
-// reading first.
-constexpr auto kMemoryInfoMaxAge = std::chrono::milliseconds(5);
+// kMemoryInfoMaxAge old, and the mapper's upkeep reads it again once maps and unmaps have been
+// quiet for kMemoryInfoQuiet (not at once: the next job of a burst would wait behind it). A map
+// that follows another (a burst, a trim then an alloc) or a quiet spell pays no cuMemGetInfo;
+// one in a long busy stretch reads it at most every kMemoryInfoMaxAge. What other processes
+// allocated since the reading is not seen: the guard can be late by at most that age (the
+// driver still refuses what does not fit). A refusal is always confirmed by a fresh reading.
+constexpr auto kMemoryInfoMaxAge = std::chrono::milliseconds(20);
+constexpr auto kMemoryInfoQuiet = std::chrono::milliseconds(2);
 
 const CudaDriver& checked_driver() {
   const CudaDriver& driver = CudaDriver::get();
@@ -514,18 +515,22 @@ uintptr_t CudaBackend::record_fence(int device, uintptr_t stream, uintptr_t afte
 
 double CudaBackend::upkeep() {
   std::unique_lock<std::mutex> lock(spare_mutex_);
-  if (last_activity_ > info_time_ && info_total_ != 0) {  // Note [Memory headroom]
+  const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+  // Note [Memory headroom]: read again once maps and unmaps have been quiet for a moment.
+  const bool stale = last_activity_ > info_time_ && info_total_ != 0;
+  if (stale && quiet >= kMemoryInfoQuiet) {
     lock.unlock();
     ScopedContext current(context_);
     refresh_memory_info();
     return 0;
   }
+  const double refresh_in =
+      stale ? std::chrono::duration<double>(kMemoryInfoQuiet - quiet).count() : kNoUpkeep;
   const bool work = !to_release_.empty() ||
                     (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
-  if (!work) return kNoUpkeep;
-  const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+  if (!work) return refresh_in;
   if (quiet < kHandleGrace) {
-    return std::chrono::duration<double>(kHandleGrace - quiet).count();
+    return std::min(refresh_in, std::chrono::duration<double>(kHandleGrace - quiet).count());
   }
   if (!to_release_.empty()) {
     std::unique_ptr<PhysicalPage> surplus = std::move(to_release_.back());

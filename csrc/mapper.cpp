@@ -114,6 +114,7 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
     // Several maps run as one (all or nothing together); each job is then settled on its own.
     const Job& work = batch.size() == 1 ? batch.front() : merge_jobs(batch);
     BackendResult result;
+    const auto started = std::chrono::steady_clock::now();
     try {
       result = run_job(pool->mutable_backend(), work, still_mapped);
     } catch (const std::exception& e) {
@@ -122,6 +123,12 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
       still_mapped = work.kind == JobKind::kUnmap ? work.pages : std::vector<int64_t>{};
     }
     trace::mark(trace::kBackendDone);
+    if (result.ok) {
+      pool->record_job_time(
+          work.kind,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(),
+          static_cast<int64_t>(work.pages.size()));
+    }
     for (const Job& job : batch) pool->finish_job(job, result, batch.size() == 1 ? still_mapped
                                                                               : std::vector<int64_t>{});
     trace::mark(trace::kCompleted);

@@ -631,6 +631,39 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   if (result.ok || job.kind != JobKind::kUnmap) plan_unmaps();
 }
 
+void PagePool::record_job_time(JobKind kind, double seconds, int64_t pages) {
+  if (pages <= 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  double& average = seconds_per_page_[kind == JobKind::kUnmap ? 1 : 0];
+  const double sample = seconds / static_cast<double>(pages);
+  average = average == 0.0 ? sample : 0.75 * average + 0.25 * sample;
+}
+
+std::optional<Completion> PagePool::take_completion(int64_t request_id, double max_spin_s) {
+  double expected = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto cost = [&](const Job& job) {
+      return seconds_per_page_[job.kind == JobKind::kUnmap ? 1 : 0] *
+             static_cast<double>(job.pages.size());
+    };
+    for (const auto& [deadline, jobs] : jobs_) {
+      for (const Job& job : jobs) expected += cost(job);
+    }
+    if (current_job_) {
+      expected += std::max(0.0, cost(*current_job_) - seconds_since(current_job_start_));
+    }
+  }
+  // Not learnt yet (0) or too long to spin for: the caller sleeps until the loop is woken.
+  constexpr double kMargin = 20e-6;
+  if (expected == 0.0 || expected > max_spin_s) {
+    return completions_.take(request_id, Clock::now());  // only if it is already there
+  }
+  const double spin = std::min(max_spin_s, 1.5 * expected + kMargin);
+  return completions_.take(request_id, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(spin)));
+}
+
 // ---------------------------------------------------------------------------------------------
 
 PoolStats PagePool::stats() const {

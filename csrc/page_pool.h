@@ -116,12 +116,13 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // (its completion is already queued). `timed_out` counts it in stats.
   std::optional<std::string> cancel(int64_t request_id, bool timed_out);
   std::vector<Completion> drain() { return completions_.drain(); }
-  // The completion of `request_id` if it comes within `spin_s` (spinning; the caller has
-  // released the GIL), taken alone. See Note [Spinning wake-up] in wakeup.h.
-  std::optional<Completion> take_completion(int64_t request_id, double spin_s) {
-    return completions_.take(request_id, Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                            std::chrono::duration<double>(spin_s)));
-  }
+  // The completion of `request_id`, taken alone, when the mapper's queued and current work is
+  // expected to end within `max_spin_s`: the caller (the GIL released) spins for it that long
+  // at most (Note [Spinning wake-up] in wakeup.h). Empty when it did not come, or when the work
+  // is expected to take longer (then nothing spins).
+  std::optional<Completion> take_completion(int64_t request_id, double max_spin_s);
+  // The mapper's measure of its jobs: seconds per page, kept as a moving average per kind.
+  void record_job_time(JobKind kind, double seconds, int64_t pages);
   int completion_fd() const { return completions_.fd(); }
 
   // Returns a barrier request id completed when the unmaps are done, or 0 when there is none.
@@ -209,6 +210,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::optional<Job> current_job_;
   Clock::time_point current_job_start_;
+  double seconds_per_page_[2] = {0.0, 0.0};  // map (and refill), unmap: moving averages
 };
 
 }  // namespace kvasync

@@ -41,6 +41,11 @@ __all__ = ["Allocator", "open_allocator"]
 
 # Completion statuses (csrc/completion_queue.h).
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
+# An awaited request whose map (or trim) the mapper expects to finish within this many seconds is
+# awaited by spinning for its completion, the GIL released, instead of sleeping until the loop is
+# woken: on a VM that wake-up costs 20-40 us, a third of a cold map (Note [Spinning wake-up] in
+# csrc/wakeup.h; bench/bench_map.py). The loop is held that long at most; longer work is awaited.
+_SPIN_S = 250e-6
 
 
 @dataclass
@@ -85,7 +90,7 @@ class Allocator:
         self._loop = loop
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
-        self._spin_s = 0.0  # seconds _wait spins for a completion before it sleeps
+        self._spin_s = _SPIN_S
         page_size = page_size_for(layout, config)
         self._page_size = page_size
         blocks_per_page = layout.blocks_per_page(page_size)
@@ -464,9 +469,7 @@ class Allocator:
                 "this allocator belongs to the event loop that opened it; open one allocator per "
                 "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
             )
-        if self._spin_s > 0.0:
-            # Note [Spinning wake-up] (csrc/wakeup.h): a map that takes tens of microseconds is
-            # awaited faster by spinning for its record than by sleeping until the loop wakes.
+        if self._spin_s > 0.0:  # see _SPIN_S
             spin = min(self._spin_s, due - loop.time())
             record = self._pool.take_completion(request, spin) if spin > 0 else None
             if record is not None:
