@@ -288,48 +288,29 @@ def sweep(kernels: ModuleType, args: argparse.Namespace) -> None:
 
 
 def sweep_gather(kernels: ModuleType, args: argparse.Namespace) -> None:
-    """TB/s of the gather on the interleaved layout for buffers per program, streaming cache
-    hints, chunk sizes and warps (for tuning its defaults), beside the copy peak of this run."""
+    """TB/s of the gather on the interleaved layout for a few chunk sizes and warp counts (for
+    tuning its defaults), beside the copy peak of this run."""
     from kvasync.kernels import block_copy
 
     cache = make_cache("interleaved", args)
     table = kernels.block_table(cache.buffers)
     copy_peak, _ = peaks()
     peak = copy_peak.gib * 2**30 / copy_peak.ms * 1e3
-    defaults = (
-        block_copy._CHUNK_BYTES,
-        block_copy._NUM_WARPS,
-        block_copy._GATHER_BUFS,
-        block_copy._GATHER_STREAM,
-    )
+    defaults = block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS
     for n in args.blocks:
         ids = torch.randperm(args.num_blocks, device=DEVICE)[:n].contiguous()
         shape = (n, args.layers, 2, args.block_size, args.heads, args.head_dim)
         out = torch.empty(shape, dtype=cache.buffers[0].dtype, device=DEVICE)
         gib = 2 * n * len(cache.buffers) * cache.block_bytes / 2**30
         print(f"gather sweep, interleaved, {n} blocks: TB/s (/ copy peak {peak / 1e12:.2f})")
-        settings = [
-            (bufs, stream, chunk, warps)
-            for bufs in (1, 2)
-            for stream in (False, True)
-            for chunk in (4096, 8192)
-            for warps in (8, 16)
-        ]
-        for bufs, stream, chunk, warps in settings:
-            block_copy._CHUNK_BYTES, block_copy._NUM_WARPS = chunk, warps
-            block_copy._GATHER_BUFS, block_copy._GATHER_STREAM = bufs, stream
+        for chunk, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32)):
+            block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS = chunk, warps
             ms = time_ms(lambda ids=ids, out=out: kernels.gather_blocks(table, ids, out))
             bps = gib * 2**30 / ms * 1e3
             print(
-                f"  bufs {bufs} stream {int(stream)} chunk {chunk:5d} B {warps:2d} warps: "
-                f"{bps / 1e12:.2f} TB/s ({bps / peak:.3f})"
+                f"  chunk {chunk:5d} B {warps:2d} warps: {bps / 1e12:.2f} TB/s ({bps / peak:.3f})"
             )
-    (
-        block_copy._CHUNK_BYTES,
-        block_copy._NUM_WARPS,
-        block_copy._GATHER_BUFS,
-        block_copy._GATHER_STREAM,
-    ) = defaults
+    block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS = defaults
 
 
 def print_table(rows: list[Row]) -> None:

@@ -10,9 +10,10 @@
      "idle": the same after 20 ms without work (the mapper asleep); "pooled": its handles pooled
      (``trim(release_handles=False)``);
    - cycle: alloc + free + trim of 128 MiB of blocks, per MiB; "pooled" keeps the handles;
-   - burst: an alloc of 16 GiB of blocks from nothing.
-   Each beside its floor: the driver's calls for the same handles, from part 1 or measured
-   alike (16 GiB: the same number of handles, mapped in one run).
+   - burst: an alloc of 16 GiB of blocks from nothing (a new allocator, median of 5).
+   Each beside its floor: the bare driver calls for the same handles, on a reservation as large
+   as the allocator's, sampled between the allocator's runs (the driver's speed drifts within a
+   run) and reduced the same way (medians).
 3. Where the time of a fresh alloc goes, from the core's trace points (csrc/trace.h).
 4. The reference allocator's figures (kvcached e8e6406, from issue 8): measured on the same GPU
    model on 2026-11-30, NOT in this run.
@@ -163,17 +164,24 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
             out["floor"][name] = median(floors[3:])
             out["trace"][name] = {k: median([t[k] for t in traces[3:]]) for k in traces[0]}
         for name, release in (("cycle", True), ("cycle_pooled", False)):
-            times, floors = [], []
+            times, floors, traces = [], [], []
             for _ in range(repeats + 3):
                 floors.append(pages_per_cycle * floor_sample(kv)[name])
                 await kv.trim(release_handles=release)
                 start = time.perf_counter()
                 ids = await kv.alloc(CYCLE_BLOCKS)
                 kv.free(ids)
+                trim_start = time.monotonic_ns()
                 await kv.trim(release_handles=release)
                 times.append(time.perf_counter() - start)
+                trace = {k: v - trim_start for k, v in _core.trace_points().items()}
+                trace["resumed"] = time.monotonic_ns() - trim_start
+                traces.append(trace)
             out[name] = median(times[3:])
             out["floor"][name] = median(floors[3:])
+            out["trace"][f"{name} (its trim)"] = {
+                k: median([t[k] for t in traces[3:]]) for k in traces[0]
+            }
         await kv.trim()
     bursts, floors = [], []
     config = kvasync.Config(
@@ -184,7 +192,7 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
         default_timeout=30,
     )
     pages = BURST_BLOCKS // out["blocks_per_page"]
-    for _ in range(3):
+    for _ in range(5):
         async with kvasync.open_allocator(layout, config) as kv:
             if spin_s is not None:
                 kv._spin_s = spin_s
@@ -195,8 +203,8 @@ async def allocator_figures(case: Case, repeats: int, spin_s: float | None) -> d
         # The same handles from the bare driver: one run of `pages` per range.
         f = _core.cuda_driver_floor(0, kv.page_size, pages, 1, True)
         floors.append(f["cold_map"] * pages * layout.num_ranges)
-    out["burst"] = min(bursts)
-    out["floor"]["burst"] = min(floors)
+    out["burst"] = median(bursts)
+    out["floor"]["burst"] = median(floors)
     return out
 
 

@@ -68,10 +68,12 @@ _CHUNK_BYTES = 4096
 # Below this many bytes a chunk is too small to be worth avoiding a mask for.
 _MIN_EVEN_CHUNK_BYTES = 1024
 _NUM_WARPS = 8  # at most
-# Gather only: buffers one program moves (a divisor of num_buffers is used), and whether its loads
-# and stores are marked streaming (evict_first / .cs). Tuned on the H200: bench/RESULTS.md.
-_GATHER_BUFS = 1
-_GATHER_STREAM = False
+# The gather alone: 8 KiB chunks at 16 warps (still one 16-byte vector per thread), half the loop
+# iterations per program. On the H200 its interleaved (contiguous-layout) case measured 0.95 of
+# the copy peak this way against 0.93 at 4 KiB / 8 warps; two buffers per program and streaming
+# cache hints (evict_first / .cs) did not help (bench/RESULTS.md).
+_GATHER_CHUNK_BYTES = 8192
+_GATHER_NUM_WARPS = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (axis 0 takes up to 2**31 - 1)
 _MAX_ALIGN = 16
 _UNIT_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -101,30 +103,20 @@ def _gather_kernel(
     BLOCK: tl.constexpr,  # units per loop iteration (a power of two)
     EVEN: tl.constexpr,  # BLOCK divides the block: no mask
     NUM_CHUNKS: tl.constexpr,  # loop iterations per block: cdiv(VEC * vecs_per_block, BLOCK)
-    BUFS: tl.constexpr,  # buffers per program (it divides num_buffers)
-    STREAM: tl.constexpr,  # read once, written once: keep both out of the caches' way
 ):
+    buf = tl.program_id(0).to(tl.int64)  # fastest: a block's buffers run side by side
     i = tl.program_id(1).to(tl.int64)
     block_id = tl.load(ids_ptr + i)
     units = vecs_per_block * VEC
-    for b in tl.static_range(BUFS):
-        buf = tl.program_id(0).to(tl.int64) * BUFS + b  # fastest: a block's buffers side by side
-        src = _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN)
-        dst = out_ptr + (i * num_buffers + buf) * units
-        for chunk in range(0, NUM_CHUNKS):
-            offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    src = _block_start(table_ptr, buf, block_id, block_stride_vecs, UNIT, VEC, ALIGN)
+    dst = out_ptr + (i * num_buffers + buf) * units
+    for chunk in range(0, NUM_CHUNKS):
+        offs = chunk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        if EVEN:
+            tl.store(dst + offs, tl.load(src + offs))
+        else:
             mask = offs < units
-            if STREAM:
-                if EVEN:
-                    data = tl.load(src + offs, eviction_policy="evict_first")
-                    tl.store(dst + offs, data, cache_modifier=".cs")
-                else:
-                    data = tl.load(src + offs, mask=mask, other=0, eviction_policy="evict_first")
-                    tl.store(dst + offs, data, mask=mask, cache_modifier=".cs")
-            elif EVEN:
-                tl.store(dst + offs, tl.load(src + offs))
-            else:
-                tl.store(dst + offs, tl.load(src + offs, mask=mask, other=0), mask=mask)
+            tl.store(dst + offs, tl.load(src + offs, mask=mask, other=0), mask=mask)
 
 
 @triton.jit
@@ -284,13 +276,18 @@ class _Launch:
         }
 
 
-def _plan(table: BlockTable, *tensors: torch.Tensor) -> _Launch:
+def _plan(
+    table: BlockTable,
+    *tensors: torch.Tensor,
+    chunk_bytes: int | None = None,
+    max_warps: int | None = None,
+) -> _Launch:
     """Pick the unit, vector width and chunk size for `table` and the contiguous `tensors`."""
     align = _alignment(table.alignment, *(t.data_ptr() for t in tensors))
     unit_bytes = min(align, 4)
     vec = align // unit_bytes
     units = table.block_bytes // unit_bytes
-    max_block = _CHUNK_BYTES // unit_bytes
+    max_block = (chunk_bytes or _CHUNK_BYTES) // unit_bytes
     if units <= max_block:
         block = triton.next_power_of_2(units)
     else:
@@ -307,7 +304,7 @@ def _plan(table: BlockTable, *tensors: torch.Tensor) -> _Launch:
         block_stride_vecs=table.block_stride_bytes // (unit_bytes * vec),
         num_chunks=triton.cdiv(units, block),
         # Few enough threads that each one moves a whole vector (a small block, fewer warps).
-        num_warps=max(1, min(_NUM_WARPS, block // (32 * vec))),
+        num_warps=max(1, min(max_warps or _NUM_WARPS, block // (32 * vec))),
     )
 
 
@@ -325,11 +322,10 @@ def gather_blocks(table: BlockTable, ids: torch.Tensor, out: torch.Tensor) -> No
 
     `ids` is int64 on the buffers' device, `out` contiguous with len(ids) * num_buffers blocks.
     """
-    plan = _plan(table, out)
+    plan = _plan(table, out, chunk_bytes=_GATHER_CHUNK_BYTES, max_warps=_GATHER_NUM_WARPS)
     units = _as_units(out, plan.unit_bytes).view(ids.numel(), -1)
-    bufs = math.gcd(_GATHER_BUFS, table.num_buffers)
     for part in _id_slices(ids.numel()):
-        _gather_kernel[(table.num_buffers // bufs, part.stop - part.start)](
+        _gather_kernel[(table.num_buffers, part.stop - part.start)](
             table.pointers,
             ids[part],
             units[part],
@@ -337,8 +333,6 @@ def gather_blocks(table: BlockTable, ids: torch.Tensor, out: torch.Tensor) -> No
             plan.vecs_per_block,
             plan.block_stride_vecs,
             num_warps=plan.num_warps,
-            BUFS=bufs,
-            STREAM=_GATHER_STREAM,
             **plan.constexprs,
         )
 
