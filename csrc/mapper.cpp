@@ -18,6 +18,12 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(100);  // how often an idle
 // allocator costs no CPU.
 constexpr auto kSpinAfterWork = std::chrono::microseconds(1000);
 
+// On one CPU a spinning thread only delays the thread it waits for: sleep at once there.
+bool can_spin() {
+  static const bool several = std::thread::hardware_concurrency() > 1;
+  return several;
+}
+
 }  // namespace
 
 Mapper::Mapper() = default;
@@ -101,7 +107,8 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
         // Upkeep is an optimisation: a failure leaves the next map to do the work itself.
       }
       if (again <= 0) continue;
-      const auto spin = kSpinAfterWork - (std::chrono::steady_clock::now() - last_work);
+      const auto spin = can_spin() ? kSpinAfterWork - (std::chrono::steady_clock::now() - last_work)
+                                   : std::chrono::steady_clock::duration::zero();
       if (self->wake_.wait_for(std::min<std::chrono::duration<double>>(
                                    kIdlePoll, std::chrono::duration<double>(again)),
                                std::max(spin, std::chrono::steady_clock::duration::zero()))) {

@@ -4,6 +4,7 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include "errors.h"
 #include "trace.h"
@@ -654,9 +655,11 @@ std::optional<Completion> PagePool::take_completion(int64_t request_id, double m
       expected += std::max(0.0, cost(*current_job_) - seconds_since(current_job_start_));
     }
   }
-  // Not learnt yet (0) or too long to spin for: the caller sleeps until the loop is woken.
+  // Not learnt yet (0), too long to spin for, or one CPU (spinning would only delay the mapper):
+  // the caller sleeps until the loop is woken.
   constexpr double kMargin = 20e-6;
-  if (expected == 0.0 || expected > max_spin_s) {
+  static const bool several_cpus = std::thread::hardware_concurrency() > 1;
+  if (expected == 0.0 || expected > max_spin_s || !several_cpus) {
     return completions_.take(request_id, Clock::now());  // only if it is already there
   }
   const double spin = std::min(max_spin_s, 1.5 * expected + kMargin);
