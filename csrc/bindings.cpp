@@ -236,9 +236,24 @@ PYBIND11_MODULE(_core, m) {
              }
              return out;
            })
+      .def("take_completion",
+           [](PoolHandle& pool, int64_t request_id, double max_spin_s) -> py::object {
+             std::optional<Completion> record;
+             {
+               py::gil_scoped_release no_gil;
+               record = pool->take_completion(request_id, max_spin_s);
+             }
+             if (!record) return py::none();
+             return py::make_tuple(static_cast<int>(record->status), to_list(record->blocks),
+                                   record->message);
+           },
+           py::arg("request_id"), py::arg("max_spin_s"))
       .def_property_readonly("completion_fd", [](PoolHandle& pool) { return pool->completion_fd(); })
-      .def("trim", [](PoolHandle& pool, double deadline) { return pool->trim(deadline); },
-           py::arg("deadline"))
+      .def("trim",
+           [](PoolHandle& pool, double deadline, bool release_cached) {
+             return pool->trim(deadline, release_cached);
+           },
+           py::arg("deadline"), py::arg("release_cached") = true)
       .def("set_limit_pages",
            [](PoolHandle& pool, int64_t pages, double deadline) {
              return pool->set_limit_pages(pages, deadline);

@@ -5,9 +5,11 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "errors.h"
+#include "trace.h"
 
 namespace kvasync {
 namespace {
@@ -340,6 +342,7 @@ void PagePool::push_job(Job job) {
   job.seq = next_job_seq_++;
   (job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_).insert(job.seq);
   jobs_[job.deadline].push_back(std::move(job));
+  trace::mark(trace::kJobQueued);
   mapper_.wake();
 }
 
@@ -598,7 +601,7 @@ void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const st
   completions_.push({request_id, status, {}, message});
 }
 
-int64_t PagePool::trim(double deadline_s) {
+int64_t PagePool::trim(double deadline_s, bool release_cached) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   // Note [Trim]: no refill until the next alloc, and a refill not started yet never starts.
@@ -615,7 +618,8 @@ int64_t PagePool::trim(double deadline_s) {
     }
     it = queued.empty() ? jobs_.erase(it) : std::next(it);
   }
-  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0};
+  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0,
+                   !release_cached};
   if (trim_done(trim)) return 0;
   trims_.push_back(trim);
   return trim.id;
@@ -627,7 +631,9 @@ bool PagePool::trim_done(PendingTrim& trim) {
     // [Trim]); so a trim ends after a bounded number of sweeps even while frees go on. Free
     // blocks go to waiters first: a reserve that a waiter counts on stays.
     if (waiters_.empty() && !reserve_.empty()) {
-      push_job(make_unmap_job(highest_reserve(reserve_.size()), trim.id, trim.deadline));
+      Job job = make_unmap_job(highest_reserve(reserve_.size()), trim.id, trim.deadline);
+      job.keep_cached = trim.keep_cached;
+      push_job(std::move(job));
       ++trim.unmap_jobs;
     }
     if (!maps_in_flight_.empty() && *maps_in_flight_.begin() < trim.before_seq) return false;
@@ -933,6 +939,41 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   // would spin on a driver that keeps refusing. The next free or map retries.
   if (result.ok || job.kind != JobKind::kUnmap) plan_unmaps();
   settle_trims();
+}
+
+void PagePool::record_job_time(JobKind kind, double seconds, int64_t pages) {
+  if (pages <= 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  double& average = seconds_per_page_[kind == JobKind::kUnmap ? 1 : 0];
+  const double sample = seconds / static_cast<double>(pages);
+  average = average == 0.0 ? sample : 0.75 * average + 0.25 * sample;
+}
+
+std::optional<Completion> PagePool::take_completion(int64_t request_id, double max_spin_s) {
+  double expected = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto cost = [&](const Job& job) {
+      return seconds_per_page_[job.kind == JobKind::kUnmap ? 1 : 0] *
+             static_cast<double>(job.pages.size());
+    };
+    for (const auto& [deadline, jobs] : jobs_) {
+      for (const Job& job : jobs) expected += cost(job);
+    }
+    if (current_job_) {
+      expected += std::max(0.0, cost(*current_job_) - seconds_since(current_job_start_));
+    }
+  }
+  // Not learnt yet (0), too long to spin for, or one CPU (spinning would only delay the mapper):
+  // the caller sleeps until the loop is woken.
+  constexpr double kMargin = 20e-6;
+  static const bool several_cpus = std::thread::hardware_concurrency() > 1;
+  if (expected == 0.0 || expected > max_spin_s || !several_cpus) {
+    return completions_.take(request_id, Clock::now());  // only if it is already there
+  }
+  const double spin = std::min(max_spin_s, 1.5 * expected + kMargin);
+  return completions_.take(request_id, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(spin)));
 }
 
 // ---------------------------------------------------------------------------------------------

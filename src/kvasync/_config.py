@@ -27,11 +27,13 @@ class Config:
             page, and is bounded at 256 MiB (a larger capacity is refused with ValueError at
             open: lower max_blocks or raise page_size).
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
-        page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
-            granularity on cuda, of the OS page on host). It need not be a multiple of the
-            block: a block id across a page boundary is never handed out, and where that would
-            lose more than 1/32 of it, a page maps the smallest multiple of page_size that loses
-            less (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
+        page_size: the unit of mapping: bytes of each virtual range that one page id maps (a
+            multiple of the driver's granularity on cuda, of 4096 on host). None picks it for
+            the backend: on cuda one granularity page (2 MiB) of every layer and buffer per page
+            id, on host 2 MiB per range. It need not be a multiple of the block: a block id
+            across a page boundary is never handed out, and where that would lose more than 1/32
+            of it, a page maps the smallest multiple of page_size that loses less
+            (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
@@ -49,7 +51,7 @@ class Config:
     backend: str = "auto"
     max_blocks: int = 4096
     memory_limit: int | None = None
-    page_size: int = 2 << 20
+    page_size: int | None = None
     reserve_pages: tuple[int, int] = (1, 4)
     default_timeout: float = 5.0
     zero_on_alloc: bool = False
@@ -75,10 +77,12 @@ class Config:
                 "memory_limit",
                 _validate.integer(self.memory_limit, "Config.memory_limit", minimum=1),
             )
-        store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=4096))
-        if self.page_size % 4096:
+        if self.page_size is not None:
+            store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=1))
+        if self.page_size is not None and self.page_size % 4096:
             raise ValueError(
-                f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
+                f"Config.page_size must be None or a positive multiple of 4096, "
+                f"got {self.page_size!r}"
             )
         store("reserve_pages", self._check_reserve_pages())
         timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
