@@ -18,6 +18,7 @@ namespace py = pybind11;
 using namespace kvasync;
 
 void bind_cuda(py::module_& m);  // bind_cuda.cpp
+void bind_ledger(py::module_& m);  // bind_ledger.cpp
 
 namespace {
 
@@ -135,6 +136,7 @@ void register_errors() {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "kvasync's C++ core: page pool, mapper thread and virtual-memory backends";
   register_errors();
+  bind_ledger(m);  // before PagePool, which takes a ShareMember
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
@@ -177,14 +179,15 @@ PYBIND11_MODULE(_core, m) {
   py::class_<PoolHandle>(m, "PagePool")
       .def(py::init([](std::shared_ptr<Backend> backend, int64_t num_blocks,
                        int64_t blocks_per_page, int64_t limit_pages, int64_t reserve_low,
-                       int64_t reserve_high, double default_timeout_s) {
+                       int64_t reserve_high, double default_timeout_s,
+                       std::shared_ptr<ShareMember> share) {
              PoolConfig config{num_blocks, blocks_per_page, limit_pages,
                                reserve_low, reserve_high, default_timeout_s};
-             return new PoolHandle(PagePool::create(std::move(backend), config));
+             return new PoolHandle(PagePool::create(std::move(backend), config, std::move(share)));
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("blocks_per_page"),
            py::arg("limit_pages"), py::arg("reserve_low"), py::arg("reserve_high"),
-           py::arg("default_timeout_s"))
+           py::arg("default_timeout_s"), py::arg("share") = nullptr)
       .def("alloc",
            [](PoolHandle& pool, int64_t n, double deadline) -> py::object {
              auto result = pool->alloc(n, deadline);

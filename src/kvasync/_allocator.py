@@ -35,6 +35,7 @@ from ._backends import buffer_views, create_backend, make_fence
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
+from ._share import join_share
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
@@ -100,6 +101,7 @@ class Allocator:
             low,
             high,
             config.default_timeout,
+            join_share(config, self._backend, self._page_bytes),
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}

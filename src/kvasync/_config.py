@@ -32,6 +32,14 @@ class Config:
         device: CUDA device ordinal (cuda backend).
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
+        share: the name of a device share (``kvasync.ledger.default_share(device)`` for the
+            common case) that this allocator joins: allocators of every process on that share
+            keep their mapped bytes together within ``device_budget``, see each other in
+            ``kvasync top``, and take limits set with ``kvasync limit``. None: no share.
+        device_budget: bytes all allocators of the share may map together (the smallest budget
+            among them applies). None: on cuda, ``gpu_utilization`` of the device's memory; on
+            host, no budget of this allocator's own. Needs ``share``.
+        name: this allocator's name in the share's ledger; None = the program's name.
 
     Raises:
         ValueError: any value out of range.
@@ -47,6 +55,9 @@ class Config:
     faults: FaultInjector | None = None
     device: int = 0
     gpu_utilization: float = 0.95
+    share: str | None = None
+    device_budget: int | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -78,3 +89,20 @@ class Config:
             raise ValueError(
                 f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
             )
+        self._check_share()
+
+    def _check_share(self) -> None:
+        from ._share import check_share
+
+        if self.share is not None:
+            check_share(self.share, "Config.share")
+        if self.device_budget is not None:
+            if type(self.device_budget) is not int or self.device_budget <= 0:
+                raise ValueError(
+                    f"Config.device_budget must be a positive int or None, "
+                    f"got {self.device_budget!r}"
+                )
+            if self.share is None:
+                raise ValueError("Config.device_budget needs Config.share (the share it budgets)")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"Config.name must be a non-empty str or None, got {self.name!r}")
