@@ -198,8 +198,16 @@ std::map<std::string, std::weak_ptr<Ledger>>& open_ledgers() {
 std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
   // One mapping per file and process: the robust-mutex machinery knows a lock by its address.
   std::lock_guard<std::mutex> guard(open_ledgers_mutex());
-  if (auto existing = open_ledgers()[path].lock()) return existing;
   int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (auto existing = open_ledgers()[path].lock()) {
+    // The same file still (not one removed and made anew under the same name): share it.
+    struct stat now;
+    if (fd >= 0 && fstat(fd, &now) == 0 && now.st_dev == existing->device_ &&
+        now.st_ino == existing->inode_) {
+      ::close(fd);
+      return existing;
+    }
+  }
   if (fd < 0 && errno == ENOENT && create) {
     create_file(path);
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -224,9 +232,10 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
   // Map only what the file holds, so that reading a short file cannot fault.
   const size_t mapped = std::min(size, sizeof(LedgerFile));
   void* data = mmap(nullptr, sizeof(LedgerFile), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_error = errno;
   ::close(fd);
   if (data == MAP_FAILED) {
-    throw LedgerError("cannot map the ledger file " + path + ": " + strerror(errno));
+    throw LedgerError("cannot map the ledger file " + path + ": " + strerror(map_error));
   }
   auto* file = static_cast<LedgerFile*>(data);
   try {
@@ -236,6 +245,8 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
     throw;
   }
   std::shared_ptr<Ledger> ledger(new Ledger(path, file));
+  ledger->device_ = st.st_dev;
+  ledger->inode_ = st.st_ino;
   open_ledgers()[path] = ledger;
   return ledger;
 }
@@ -476,7 +487,7 @@ void ShareMember::leave() {
 
 int64_t ShareMember::grant(int64_t pages, bool refill) {
   if (pages <= 0 || left_) return 0;
-  if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout)) return 0;  // the watcher retries
+  if (!ledger_->lock(Clock::now() + kGrantLockTimeout)) return 0;  // the watcher retries
   ledger_->reclaim_dead_locked();
   int64_t total = 0;
   bool others_blocked = false;

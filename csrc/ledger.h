@@ -171,6 +171,7 @@ class Ledger {
 
   std::string path_;
   LedgerFile* file_;
+  uint64_t device_ = 0, inode_ = 0;  // the file mapped, to tell it from a newer one at path_
 };
 
 // One allocator's membership of a share: its entry and its watcher thread.
@@ -179,6 +180,9 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   using Clock = std::chrono::steady_clock;
   static constexpr auto kTick = std::chrono::milliseconds(100);
   static constexpr auto kReclaimEvery = std::chrono::milliseconds(250);
+  // A grant runs under the pool's mutex (and so may hold up an alloc): it waits for the ledger
+  // lock only briefly; when that fails, the watcher's next tick plans the map again.
+  static constexpr auto kGrantLockTimeout = std::chrono::milliseconds(50);
 
   // Joins: takes a free entry. Throws LedgerError when the ledger is full or unusable.
   ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name, int64_t budget_bytes,

@@ -501,14 +501,14 @@ bool PagePool::close(double timeout_s) {
   if (idle) {
     for (int64_t page : unmapping) backend_->unmap(page, 1);  // views over them now fault
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
-  drop_fences(unmapping);
-  if (share_) {
-    // Jobs reverted above released theirs already; the entry is cleared as it leaves.
-    release_share(static_cast<int64_t>(unmapping.size()));
-    share_->stop(1.0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
+    drop_fences(unmapping);
+    release_share(static_cast<int64_t>(unmapping.size()));  // reverted jobs released theirs
   }
+  // Not under mutex_: the watcher takes it on each tick.
+  if (share_) share_->stop(1.0);
   return true;
 }
 
