@@ -100,7 +100,10 @@ class Worker:
             rounds = await task if task is not None else 0
             return {"ok": True, "rounds": rounds}
         if name == "rounds":
-            return {"ok": True, "rounds": [await self.round(command, i) for i in range(command["count"])]}
+            return {
+                "ok": True,
+                "rounds": [await self.round(command, i) for i in range(command["count"])],
+            }
         if name == "close":
             self.faults.release()
             if self.kv is not None:
@@ -120,8 +123,11 @@ class Worker:
         try:
             blocks = await self.kv.alloc(n, timeout=timeout)
         except kvasync.KVAsyncError as error:
-            return {"ok": False, "error": f"{type(error).__name__}: {error}",
-                    "took_s": time.monotonic() - start}
+            return {
+                "ok": False,
+                "error": f"{type(error).__name__}: {error}",
+                "took_s": time.monotonic() - start,
+            }
         self.held.append(blocks)
         return {"ok": True, "got": len(blocks), "took_s": time.monotonic() - start}
 

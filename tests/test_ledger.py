@@ -134,9 +134,7 @@ def blocked(share: str, pid: int) -> bool:
 
 
 def committed_pages(stats: dict[str, Any]) -> int:
-    return int(
-        stats["mapped_pages"] + stats["mapping_pages"] + stats["unmapping_pages"]
-    )
+    return int(stats["mapped_pages"] + stats["mapping_pages"] + stats["unmapping_pages"])
 
 
 # -- seed A: a second engine starts next to a busy first one ----------------------------------
@@ -146,8 +144,9 @@ def run_seed_a(backend: str, share: str, start: Callable[..., Worker], rounds: i
     budget = 16 * PAGE
     engine1 = start(backend)
     engine2 = start(backend)
-    engine1.call(cmd="open", share=share, budget=budget, name="engine1", reserve=(1, 2),
-                 map_delay=0.002)
+    engine1.call(
+        cmd="open", share=share, budget=budget, name="engine1", reserve=(1, 2), map_delay=0.002
+    )
     engine1.call(cmd="churn", max_n=24, hold_s=0.002, trim_every=4)
     samples: list[int] = []
     stop = threading.Event()
@@ -161,8 +160,16 @@ def run_seed_a(backend: str, share: str, start: Callable[..., Worker], rounds: i
     sampler.start()
     try:
         answer = engine2.call(
-            wait_s=60.0, cmd="rounds", count=rounds, share=share, budget=budget,
-            name="engine2", sizes=[6, 10, 12, 8], timeout=2.0, reserve=(2, 4), map_delay=0.005,
+            wait_s=60.0,
+            cmd="rounds",
+            count=rounds,
+            share=share,
+            budget=budget,
+            name="engine2",
+            sizes=[6, 10, 12, 8],
+            timeout=2.0,
+            reserve=(2, 4),
+            map_delay=0.005,
         )
     finally:
         stop.set()
@@ -325,8 +332,11 @@ def test_set_limit_rejects_bad_input(share: str, workers: Callable[..., Worker])
     with pytest.raises(ValueError, match="limit must be"):
         ledger.set_limit(share, a.pid, -5)
     # Nothing changed: the published limit is still the configured one (64 blocks, 16 pages).
-    wait_for(lambda: getattr(entry_of(share, a.pid), "limit_bytes", 0) == 16 * PAGE, 5.0,
-             "the limit published")
+    wait_for(
+        lambda: getattr(entry_of(share, a.pid), "limit_bytes", 0) == 16 * PAGE,
+        5.0,
+        "the limit published",
+    )
 
 
 # -- the file itself --------------------------------------------------------------------------
@@ -359,9 +369,9 @@ def test_snapshot_of_a_share_nobody_joined_is_a_clear_error(share: str) -> None:
 
 
 def test_share_names_and_config_are_checked() -> None:
-    with pytest.raises(ValueError, match="Config.share"):
+    with pytest.raises(ValueError, match=r"Config\.share"):
         kvasync.Config(share="../etc")
-    with pytest.raises(ValueError, match="needs Config.share"):
+    with pytest.raises(ValueError, match=r"needs Config\.share"):
         kvasync.Config(device_budget=1 << 30)
     with pytest.raises(ValueError, match="device_budget"):
         kvasync.Config(share="x", device_budget=0)
@@ -386,9 +396,10 @@ async def test_two_allocators_of_one_process_share_one_budget(share: str) -> Non
     config = kvasync.Config(
         backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=4 * PAGE
     )
-    async with kvasync.open_allocator(LAYOUT, config) as first, kvasync.open_allocator(
-        LAYOUT, config
-    ) as second:
+    async with (
+        kvasync.open_allocator(LAYOUT, config) as first,
+        kvasync.open_allocator(LAYOUT, config) as second,
+    ):
         held = await first.alloc(3 * BLOCKS_PER_PAGE)
         with pytest.raises(kvasync.AllocTimeout, match="budget"):
             await second.alloc(2 * BLOCKS_PER_PAGE, timeout=0.2)
@@ -448,6 +459,8 @@ async def test_ls_and_limit_commands(share: str) -> None:
 def test_python_dash_m_kvasync_ls(share: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvasync", "ls", "--share", share],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 1 and "no allocator has joined" in done.stderr
