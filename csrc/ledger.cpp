@@ -277,10 +277,14 @@ void Ledger::unlock() { pthread_mutex_unlock(&file_->header.mutex); }
 int Ledger::reclaim_dead_locked() {
   int reclaimed = 0;
   const int32_t self = getpid();
+  static const uint64_t self_start = own_start_time();
   for (LedgerEntry& e : file_->entries) {
     if (e.state.load() == 0) continue;
     const int32_t pid = e.pid.load();
-    if (pid == self || process_alive(pid, e.start_time.load())) continue;
+    // This process's own entries are alive; an entry with its pid but another start time is an
+    // earlier process's (pids are reused, in containers especially).
+    if (pid == self && e.start_time.load() == self_start) continue;
+    if (pid != self && process_alive(pid, e.start_time.load())) continue;
     e.committed_bytes.store(0);
     e.blocked.store(0);
     e.waiters.store(0);

@@ -224,11 +224,34 @@ def test_waiter_is_served_when_another_process_frees(
     freed_at = a.call(cmd="free")["freed_at"]
     served = b.read(timeout=5.0)
     assert served["ok"], served
-    latency = served["t"] - freed_at
-    print(f"\ncross-process wake: B served {latency * 1e3:.2f} ms after A freed")
-    assert latency < 1.0  # generous: the kReclaim/kTick polls alone would take 100-250 ms
-    total = sum(e.committed_bytes for e in ledger.snapshot(share))
-    assert total <= budget
+    assert served["t"] - freed_at < 1.0  # generous: a correctness bound, not a timing claim
+    assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= budget
+
+
+def test_cross_process_wake_latency(share: str, workers: Callable[..., Worker]) -> None:
+    # Small pages (64 KiB), so that the figure is the wake-up path (A's unmap, the release, the
+    # futex wake, B's watcher, B's map of 4 small pages, B's loop), not the zeroing of 2 MiB pages.
+    small_page, per_page = 64 << 10, 8
+    budget = 8 * small_page
+    a, b = workers(), workers()
+    a.call(cmd="open", share=share, budget=budget, name="a", reserve=(0, 0), small=True)
+    b.call(cmd="open", share=share, budget=budget, name="b", reserve=(0, 0), small=True)
+    latencies = []
+    for _ in range(10):
+        a.call(cmd="alloc", n=8 * per_page, timeout=2.0)
+        b.send(cmd="alloc", n=4 * per_page, timeout=5.0)
+        wait_for(lambda: blocked(share, b.pid), 5.0, "B blocked on the budget")
+        freed_at = a.call(cmd="free")["freed_at"]
+        served = b.read(timeout=5.0)
+        assert served["ok"], served
+        latencies.append(served["t"] - freed_at)
+        b.call(cmd="free")
+    latencies.sort()
+    print(
+        f"\ncross-process wake: B served after A freed: median {latencies[5] * 1e3:.2f} ms, "
+        f"max {latencies[-1] * 1e3:.2f} ms (10 rounds)"
+    )
+    assert latencies[-1] < 1.0  # a generous correctness bound; the figure is printed above
 
 
 def test_reserve_is_given_back_to_a_process_short_of_budget(
