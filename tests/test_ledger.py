@@ -473,6 +473,11 @@ async def test_ls_and_limit_commands(share: str) -> None:
         while kv.stats().memory_limit_pages != 4:
             assert loop.time() < deadline, "the limit was not applied"
             await asyncio.sleep(0.005)
+        top = await asyncio.to_thread(
+            runner.invoke, cli, ["top", "--share", share, "--count", "2", "--interval", "0.05"]
+        )
+        assert top.exit_code == 0, top.output
+        assert "cli-engine" in top.output and "8.0 MiB" in top.output  # the new limit
         bad = runner.invoke(cli, ["limit", "--share", share, str(os.getpid()), "8XB"])
         assert bad.exit_code != 0 and "not a size" in bad.output
     missing = CliRunner().invoke(cli, ["ls", "--share", share + "-none"])

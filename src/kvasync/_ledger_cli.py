@@ -150,15 +150,23 @@ def ls_command(share: str | None, as_json: bool) -> None:
     type=click.FloatRange(min=0.05),
     help="Seconds between refreshes.",
 )
-def top_command(share: str | None, interval: float) -> None:
+@click.option(
+    "--count",
+    default=0,
+    type=click.IntRange(min=0),
+    help="Stop after this many refreshes (default: until ^C).",
+)
+def top_command(share: str | None, interval: float, count: int) -> None:
     """Shows every allocator on a device share, refreshing until ^C."""
     name = share or _default_share()
     console = Console()
+    refreshes = 0
     try:
         with Live(render(name, _snapshot(name)), console=console, auto_refresh=False) as live:
-            while True:
+            while count == 0 or refreshes < count:
                 time.sleep(interval)
                 live.update(render(name, _snapshot(name)), refresh=True)
+                refreshes += 1
     except KeyboardInterrupt:
         pass
 
