@@ -13,7 +13,7 @@ process's burst starts before this one's ends, so it must wait for memory the fi
 Per mode: how much of each burst's demand was served, how long a burst took to reach its demand,
 the wait of allocs that needed memory the other process was releasing (from the other's free to
 this alloc's completion: the cross-process wake-up), and the memory each process held over time
-(mean and peak, sampled every 10 ms), with the sum of both never above the budget.
+(mean and peak, from the ledger sampled every 5 ms), with the peak of their sum.
 
 Usage: bench/bench_colocate.py [--backend host|cuda] [--budget-mib 64] [--cycles 10]
 """
@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -74,21 +75,16 @@ async def engine(args: argparse.Namespace) -> dict[str, Any]:
             page_size=PAGE,
             reserve_pages=(1, 2),
             memory_limit=budget // 2,
+            share=args.share,  # no device_budget: the ledger only watches (the bench samples it)
+            name=args.role,
         )
     offset = 0.0 if args.role == "A" else args.period / 2
-    report: dict[str, Any] = {"bursts": [], "allocs": [], "frees": [], "samples": []}
+    report: dict[str, Any] = {"bursts": [], "allocs": [], "frees": []}
     async with kvasync.open_allocator(LAYOUT, config) as kv:
         print(json.dumps({"ready": True}), flush=True)
         loop = asyncio.get_running_loop()
         args.start = float(await loop.run_in_executor(None, sys.stdin.readline))
 
-        async def sample() -> None:
-            while True:
-                stats = kv.stats()
-                report["samples"].append((time.monotonic(), stats.mapped_pages * PAGE))
-                await asyncio.sleep(0.01)
-
-        sampler = asyncio.ensure_future(sample())
         for cycle in range(args.cycles):
             begin = args.start + cycle * args.period + offset
             await asyncio.sleep(max(0.0, begin - time.monotonic()))
@@ -113,7 +109,6 @@ async def engine(args: argparse.Namespace) -> dict[str, Any]:
             report["frees"].append(time.monotonic())
             for blocks in held:
                 kv.free(blocks)
-        sampler.cancel()
     return report
 
 
@@ -158,19 +153,38 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         assert child.stdin is not None
         child.stdin.write(f"{start}\n")
         child.stdin.close()
+    # The ledger, sampled from here every 5 ms: each snapshot is taken under its lock, so the
+    # two entries of one sample are from the same instant.
+    samples: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            held = {e.name: e.committed_bytes for e in ledger.snapshot(share)}
+            samples.append((held.get("A", 0), held.get("B", 0)))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     reports = []
-    for child in children:
-        assert child.stdout is not None
-        reports.append(json.loads(child.stdout.read()))
-        child.stdout.close()
-        child.wait(timeout=timeout)
+    try:
+        for child in children:
+            assert child.stdout is not None
+            reports.append(json.loads(child.stdout.read()))
+            child.stdout.close()
+            child.wait(timeout=timeout)
+    finally:
+        done.set()
+        sampler.join(timeout=10)
     path = ledger.path(share)
     if os.path.exists(path):
         os.unlink(path)
-    return summarize(args, reports)
+    return summarize(args, reports, samples)
 
 
-def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, reports: list[dict[str, Any]], samples: list[tuple[int, int]]
+) -> dict[str, Any]:
     budget = args.budget_mib << 20
     bursts = [b for r in reports for b in r["bursts"]]
     # Waits for the other's memory: an alloc that completed after a free of the other process
@@ -183,16 +197,8 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
             released = [t for t in frees if asked < t <= done]
             if released:
                 wake_ms.append((done - released[-1]) * 1e3)
-    # Memory held over time: each process's samples, and their sum on a 10 ms grid.
-    held = [[bytes_ for _, bytes_ in r["samples"]] for r in reports]
-    # The sum on a 10 ms grid, each process at its latest sample (forward-filled).
-    buckets = [{int(t * 100): b for t, b in r["samples"]} for r in reports]
-    latest = [0, 0]
-    peak_sum = 0
-    for key in sorted(set(buckets[0]) | set(buckets[1])):
-        for i in (0, 1):
-            latest[i] = buckets[i].get(key, latest[i])
-        peak_sum = max(peak_sum, sum(latest))
+    held = [[pair[i] for pair in samples] for i in (0, 1)]
+    peak_sum = max(a + b for a, b in samples)
     return {
         "served": statistics.mean(b["served"] for b in bursts),
         "failed": sum(b["failed"] for b in bursts),
@@ -206,6 +212,7 @@ def summarize(args: argparse.Namespace, reports: list[dict[str, Any]]) -> dict[s
         "held_mean": [statistics.mean(h) / budget for h in held],
         "held_peak": [max(h) / budget for h in held],
         "peak_sum": peak_sum / budget,
+        "samples": len(samples),
     }
 
 
@@ -252,7 +259,10 @@ def main() -> None:
             f"{r['held_mean'][1]:.0%} | {r['held_peak'][0]:.0%} / {r['held_peak'][1]:.0%} | "
             f"{r['peak_sum']:.0%} |"
         )
-    print("held: mapped memory as a share of the budget, sampled every 10 ms in each process")
+    print(
+        "held: memory committed (mapping, mapped, unmapping) as a share of the budget, from the "
+        f"ledger sampled every 5 ms ({results['shared']['samples']} samples with one budget)"
+    )
 
 
 if __name__ == "__main__":
