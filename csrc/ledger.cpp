@@ -255,7 +255,7 @@ Ledger::Ledger(std::string path, LedgerFile* file) : path_(std::move(path)), fil
 
 Ledger::~Ledger() { munmap(file_, sizeof(LedgerFile)); }
 
-bool Ledger::lock(Clock::time_point deadline) {
+bool Ledger::lock(Clock::time_point deadline) noexcept {
   const timespec until = to_timespec(deadline);
   const int rc = pthread_mutex_clocklock(&file_->header.mutex, CLOCK_MONOTONIC, &until);
   if (rc == 0) return true;
@@ -268,8 +268,20 @@ bool Ledger::lock(Clock::time_point deadline) {
     reclaim_dead_locked();
     return true;
   }
-  throw LedgerError("the ledger lock of " + path_ + " is unusable (" + strerror(rc) +
-                    "): stop the processes using it and remove the file");
+  // Never thrown from here: lock() runs under the pool's mutex and on the mapper's and watcher's
+  // threads. An unusable lock refuses every grant (the waiters time out) and is reported by
+  // snapshot(), set_limit() and joining (lock_failure()).
+  lock_error_.store(rc);
+  return false;
+}
+
+std::string Ledger::lock_failure(double timeout_s) const {
+  const int error = lock_error_.load();
+  if (error != 0) {
+    return "the ledger lock of " + path_ + " is unusable (" + strerror(error) +
+           "): stop the processes using it and remove the file";
+  }
+  return "the ledger lock of " + path_ + " stayed taken for " + std::to_string(timeout_s) + " s";
 }
 
 void Ledger::unlock() { pthread_mutex_unlock(&file_->header.mutex); }
@@ -305,10 +317,7 @@ int64_t Ledger::budget_locked() const {
 }
 
 std::vector<EntryView> Ledger::snapshot(double timeout_s) {
-  if (!lock(after(timeout_s))) {
-    throw LedgerError("the ledger lock of " + path_ + " stayed taken for " +
-                      std::to_string(timeout_s) + " s");
-  }
+  if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
   std::vector<EntryView> out;
   std::string corrupt;
   reclaim_dead_locked();
@@ -358,10 +367,7 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
 }
 
 int Ledger::set_limit(int32_t pid, int64_t bytes, double timeout_s) {
-  if (!lock(after(timeout_s))) {
-    throw LedgerError("the ledger lock of " + path_ + " stayed taken for " +
-                      std::to_string(timeout_s) + " s");
-  }
+  if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
   reclaim_dead_locked();
   int count = 0;
   std::string too_small;
@@ -415,8 +421,7 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
   if (page_bytes <= 0) throw std::invalid_argument("page_bytes must be positive");
   if (budget_bytes < 0) throw std::invalid_argument("device_budget must not be negative");
   if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout * 5)) {
-    throw LedgerError("cannot join the share: the ledger lock of " + ledger_->path() +
-                      " stayed taken for 1 s");
+    throw LedgerError("cannot join the share: " + ledger_->lock_failure(1.0));
   }
   ledger_->reclaim_dead_locked();
   for (int slot = 0; slot < kLedgerEntries; ++slot) {
@@ -489,7 +494,7 @@ void ShareMember::leave() {
   ledger_->notify();
 }
 
-int64_t ShareMember::grant(int64_t pages, bool refill) {
+int64_t ShareMember::grant(int64_t pages, bool refill) noexcept {
   if (pages <= 0 || left_) return 0;
   if (!ledger_->lock(Clock::now() + kGrantLockTimeout)) return 0;  // the watcher retries
   ledger_->reclaim_dead_locked();

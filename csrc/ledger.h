@@ -141,9 +141,11 @@ class Ledger {
   const std::string& path() const { return path_; }
   LedgerFile& file() { return *file_; }
 
-  // The lock, taken with a deadline. Returns false at the deadline. A dead holder is repaired.
-  bool lock(Clock::time_point deadline);
+  // The lock, taken with a deadline. Returns false at the deadline (or when the lock is unusable:
+  // lock_failure() says which). A dead holder is repaired. Never throws.
+  bool lock(Clock::time_point deadline) noexcept;
   void unlock();
+  std::string lock_failure(double timeout_s) const;
 
   // Lock held. Frees the entries of processes that are gone; returns how many.
   int reclaim_dead_locked();
@@ -172,6 +174,7 @@ class Ledger {
   std::string path_;
   LedgerFile* file_;
   uint64_t device_ = 0, inode_ = 0;  // the file mapped, to tell it from a newer one at path_
+  std::atomic<int> lock_error_{0};    // the last error that made the lock unusable
 };
 
 // One allocator's membership of a share: its entry and its watcher thread.
@@ -197,7 +200,8 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   void stop(double timeout_s);
 
   // PagePool side, its mutex held. Charges up to `pages` pages; returns how many it granted.
-  int64_t grant(int64_t pages, bool refill);
+  // Never throws (it runs on the mapper's thread too): a ledger it cannot lock grants nothing.
+  int64_t grant(int64_t pages, bool refill) noexcept;
   void release(int64_t pages);  // no lock: an atomic subtraction; call notify() after a batch
   void notify() { ledger_->notify(); }
   void set_blocked(int64_t waiters);

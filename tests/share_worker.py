@@ -116,10 +116,16 @@ class Worker:
                 "rounds": [await self.round(command, i) for i in range(command["count"])],
             }
         if name == "close":
+            # Back to no allocator, so that the parent can reuse this process for another test.
+            self.churn_task = None
+            if self.hung_task is not None:
+                self.hung_task.cancel()
+                self.hung_task = None
             self.faults.release()
             if self.kv is not None:
                 await self.kv.close(timeout=2.0)
             self.kv = None
+            self.held = []
             return {"ok": True}
         if name == "hold_lock":
             # Blocks this process (on purpose: the test kills it while it holds the lock).

@@ -114,6 +114,23 @@ def workers() -> Iterator[Callable[..., Worker]]:
         worker.stop()
 
 
+@pytest.fixture(scope="module")
+def host_workers() -> Iterator[list[Worker]]:
+    # Starting a worker costs seconds (it imports torch): tests that kill none share these two.
+    started = [Worker(), Worker()]
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def pair(host_workers: list[Worker]) -> Iterator[tuple[Worker, Worker]]:
+    """Two host workers with no allocator open; each is left so again after the test."""
+    yield host_workers[0], host_workers[1]
+    for worker in host_workers:
+        worker.call(cmd="close")
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
     """Polls ``predicate`` (every 2 ms) until it holds; returns the seconds it took."""
     start = time.monotonic()
@@ -140,10 +157,8 @@ def committed_pages(stats: dict[str, Any]) -> int:
 # -- seed A: a second engine starts next to a busy first one ----------------------------------
 
 
-def run_seed_a(backend: str, share: str, start: Callable[..., Worker], rounds: int) -> None:
+def run_seed_a(share: str, engine1: Worker, engine2: Worker, rounds: int) -> None:
     budget = 16 * PAGE
-    engine1 = start(backend)
-    engine2 = start(backend)
     engine1.call(
         cmd="open", share=share, budget=budget, name="engine1", reserve=(1, 2), map_delay=0.002
     )
@@ -190,25 +205,25 @@ def run_seed_a(backend: str, share: str, start: Callable[..., Worker], rounds: i
 
 
 def test_seed_a_second_engine_starts_next_to_a_mapping_one(
-    share: str, workers: Callable[..., Worker]
+    share: str, pair: tuple[Worker, Worker]
 ) -> None:
-    run_seed_a("host", share, workers, rounds=50)
+    run_seed_a(share, *pair, rounds=50)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_seed_a_on_one_gpu(share: str, workers: Callable[..., Worker]) -> None:
-    run_seed_a("cuda", share, workers, rounds=50)
+    run_seed_a(share, workers("cuda"), workers("cuda"), rounds=50)
 
 
 # -- the budget, across processes -------------------------------------------------------------
 
 
 def test_waiter_is_served_when_another_process_frees(
-    share: str, workers: Callable[..., Worker]
+    share: str, pair: tuple[Worker, Worker]
 ) -> None:
     budget = 8 * PAGE
-    a, b = workers(), workers()
+    a, b = pair
     a.call(cmd="open", share=share, budget=budget, name="a", reserve=(0, 0))
     b.call(cmd="open", share=share, budget=budget, name="b", reserve=(0, 0))
     a.call(cmd="alloc", n=8 * BLOCKS_PER_PAGE, timeout=2.0)  # the whole budget, in use
@@ -228,12 +243,12 @@ def test_waiter_is_served_when_another_process_frees(
     assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= budget
 
 
-def test_cross_process_wake_latency(share: str, workers: Callable[..., Worker]) -> None:
+def test_cross_process_wake_latency(share: str, pair: tuple[Worker, Worker]) -> None:
     # Small pages (64 KiB), so that the figure is the wake-up path (A's unmap, the release, the
     # futex wake, B's watcher, B's map of 4 small pages, B's loop), not the zeroing of 2 MiB pages.
     small_page, per_page = 64 << 10, 8
     budget = 8 * small_page
-    a, b = workers(), workers()
+    a, b = pair
     a.call(cmd="open", share=share, budget=budget, name="a", reserve=(0, 0), small=True)
     b.call(cmd="open", share=share, budget=budget, name="b", reserve=(0, 0), small=True)
     latencies = []
@@ -255,10 +270,10 @@ def test_cross_process_wake_latency(share: str, workers: Callable[..., Worker]) 
 
 
 def test_reserve_is_given_back_to_a_process_short_of_budget(
-    share: str, workers: Callable[..., Worker]
+    share: str, pair: tuple[Worker, Worker]
 ) -> None:
     budget = 8 * PAGE
-    a, b = workers(), workers()
+    a, b = pair
     # A keeps a big reserve; B needs memory the reserve holds.
     a.call(cmd="open", share=share, budget=budget, name="a", reserve=(6, 6))
     wait_for(lambda: a.call(cmd="stats")["stats"]["reserve_pages"] == 6, 5.0, "A's reserve filled")
@@ -271,9 +286,11 @@ def test_reserve_is_given_back_to_a_process_short_of_budget(
 # -- dead processes ---------------------------------------------------------------------------
 
 
-def test_kill_mid_map_gives_its_share_back(share: str, workers: Callable[..., Worker]) -> None:
+def test_kill_mid_map_gives_its_share_back(
+    share: str, workers: Callable[..., Worker], pair: tuple[Worker, Worker]
+) -> None:
     budget = 8 * PAGE
-    a, b = workers(), workers()
+    a, b = workers(), pair[0]
     a.call(cmd="open", share=share, budget=budget, name="a", reserve=(0, 0))
     assert a.call(cmd="hang", n=6 * BLOCKS_PER_PAGE)["ok"]  # 6 pages charged, mapper hung
     assert (entry_of(share, a.pid) or pytest.fail("no entry")).committed_bytes == 6 * PAGE
@@ -289,10 +306,10 @@ def test_kill_mid_map_gives_its_share_back(share: str, workers: Callable[..., Wo
 
 
 def test_kill_while_holding_the_lock_blocks_nobody(
-    share: str, workers: Callable[..., Worker]
+    share: str, workers: Callable[..., Worker], pair: tuple[Worker, Worker]
 ) -> None:
     budget = 8 * PAGE
-    holder, b = workers(), workers()
+    holder, b = workers(), pair[0]
     b.call(cmd="open", share=share, budget=budget, name="b", reserve=(0, 0))
     holder.send(cmd="hold_lock", share=share, seconds=60.0)
     assert holder.read(timeout=10.0)["holding"]
@@ -318,10 +335,8 @@ def test_kill_while_holding_the_lock_blocks_nobody(
 # -- limits set from outside ------------------------------------------------------------------
 
 
-def test_limit_from_outside_shrinks_then_regrows(
-    share: str, workers: Callable[..., Worker]
-) -> None:
-    a = workers()
+def test_limit_from_outside_shrinks_then_regrows(share: str, pair: tuple[Worker, Worker]) -> None:
+    a = pair[0]
     a.call(cmd="open", share=share, budget=64 * PAGE, name="a", reserve=(4, 4), max_blocks=128)
     a.call(cmd="alloc", n=5 * BLOCKS_PER_PAGE, timeout=2.0)  # 5 pages in use, one holding
     a.call(cmd="alloc", n=1, timeout=2.0)  # a second holding, on a 6th page
@@ -341,12 +356,18 @@ def test_limit_from_outside_shrinks_then_regrows(
     assert mapped() <= 4  # it stops growing above the limit
     # Raised again: it regrows.
     ledger.set_limit(share, a.pid, 32 * PAGE)
+    # Applied in the background: an alloc above the old limit before then can never fit.
+    wait_for(
+        lambda: getattr(entry_of(share, a.pid), "limit_bytes", 0) == 32 * PAGE,
+        5.0,
+        "the raised limit applied",
+    )
     a.call(cmd="alloc", n=20 * BLOCKS_PER_PAGE, timeout=3.0)
     assert mapped() >= 21
 
 
-def test_set_limit_rejects_bad_input(share: str, workers: Callable[..., Worker]) -> None:
-    a = workers()
+def test_set_limit_rejects_bad_input(share: str, pair: tuple[Worker, Worker]) -> None:
+    a = pair[0]
     a.call(cmd="open", share=share, budget=8 * PAGE, name="a")
     with pytest.raises(ValueError, match="below one page"):
         ledger.set_limit(share, a.pid, PAGE - 1)
