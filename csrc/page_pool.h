@@ -97,6 +97,7 @@
 
 #include "backend.h"
 #include "completion_queue.h"
+#include "ledger.h"
 #include "mapper.h"
 #include "page_set.h"
 
@@ -147,7 +148,9 @@ struct PoolStats {
 
 class PagePool : public std::enable_shared_from_this<PagePool> {
  public:
-  static std::shared_ptr<PagePool> create(std::shared_ptr<Backend> backend, PoolConfig config);
+  // `share` (optional) joins the pool to a device's share ledger (Note [Share ledger]).
+  static std::shared_ptr<PagePool> create(std::shared_ptr<Backend> backend, PoolConfig config,
+                                          std::shared_ptr<ShareMember> share = nullptr);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
@@ -204,6 +207,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void finish_job(const Job& job, const BackendResult& result,
                   const std::vector<int64_t>& still_mapped);
   Backend& mutable_backend() { return *backend_; }
+
+  // The share watcher's side (ledger.cpp): re-plans after memory was released in the share,
+  // applies a limit set from outside, publishes this pool's figures into its entry.
+  void on_share_tick(ShareMember& member);
 
  private:
   PagePool(std::shared_ptr<Backend> backend, PoolConfig config);
@@ -262,6 +269,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void fail_waiter(int64_t request_id, CompletionStatus status, const std::string& message);
   std::string describe_wait(const Waiter& waiter) const;
   void check_open() const;
+  void charge_share(std::vector<int64_t>& pages, bool refill);
+  void release_share(int64_t pages);
+  void apply_share_limit(int64_t limit_pages);
 
   std::shared_ptr<Backend> backend_;
   PoolConfig config_;
@@ -294,6 +304,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t batches_ = 0;  // backend batches the mapper ran
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
+  std::shared_ptr<ShareMember> share_;  // null: no share (Note [Share ledger])
+  int64_t configured_limit_pages_ = 0;   // the limit a share's "back to configured" restores
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;

@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from ._demo import demo_command
+from ._ledger_cli import limit_command, ls_command, top_command
 
 __all__ = ["main"]
 
@@ -21,6 +22,9 @@ def main() -> None:
 
 
 main.add_command(demo_command)
+main.add_command(top_command)
+main.add_command(ls_command)
+main.add_command(limit_command)
 
 
 if __name__ == "__main__":

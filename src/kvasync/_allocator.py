@@ -36,6 +36,7 @@ from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
+from ._share import join_share
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
@@ -121,6 +122,7 @@ class Allocator:
             config.default_timeout,
             block_bytes=layout.range_block_bytes,
             page_bytes=page_size,
+            share=join_share(config, self._backend, self._page_bytes),
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}

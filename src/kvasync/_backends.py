@@ -108,13 +108,14 @@ def create_backend(
     if name == "host":
         backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
-        # The handle pool keeps up to the reserve's high watermark of unmapped handles.
+        # The handle pool keeps up to the reserve's high watermark of unmapped handles; none on
+        # a share, whose budget counts mapped pages only (a pooled handle is memory too).
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
             page_size,
-            config.reserve_pages[1],
+            0 if config.share is not None else config.reserve_pages[1],
             config.gpu_utilization,
         )
     if config.faults is not None:

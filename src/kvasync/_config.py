@@ -42,6 +42,14 @@ class Config:
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
         stall_warning: seconds a mapper op may run before the ``kvasync`` logger warns of it.
+        share: the name of a device share (``kvasync.ledger.default_share(device)`` for the
+            common case) that this allocator joins: allocators of every process on that share
+            keep their mapped bytes together within ``device_budget``, see each other in
+            ``kvasync top``, and take limits set with ``kvasync limit``. None: no share.
+        device_budget: bytes all allocators of the share may map together (the smallest budget
+            among them applies). None: on cuda, ``gpu_utilization`` of the device's memory; on
+            host, no budget of this allocator's own. Needs ``share``.
+        name: this allocator's name in the share's ledger; None = the program's name.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number here).
@@ -59,6 +67,9 @@ class Config:
     device: int = 0
     gpu_utilization: float = 0.95
     stall_warning: float = 1.0
+    share: str | None = None
+    device_budget: int | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
@@ -101,6 +112,20 @@ class Config:
                 f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
             )
         store("gpu_utilization", utilization)
+        self._check_share()
+
+    def _check_share(self) -> None:
+        from ._share import check_share
+
+        if self.share is not None:
+            check_share(self.share, "Config.share")
+        if self.device_budget is not None:
+            budget = _validate.integer(self.device_budget, "Config.device_budget", minimum=1)
+            object.__setattr__(self, "device_budget", budget)
+            if self.share is None:
+                raise ValueError("Config.device_budget needs Config.share (the share it budgets)")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"Config.name must be a non-empty str or None, got {self.name!r}")
 
     def _check_reserve_pages(self) -> tuple[int, int]:
         pair = self.reserve_pages
