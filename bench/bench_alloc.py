@@ -291,7 +291,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, Figures, Figures | No
 
 
 def print_header(args: argparse.Namespace, kv: kvasync.Allocator, plan: Plan) -> None:
-    layout, config = kv.layout, kv.config
+    layout = kv.layout
     print("kvasync allocator hot path vs a pure-Python free-list allocator (same run)")
     print(
         f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
@@ -302,8 +302,8 @@ def print_header(args: argparse.Namespace, kv: kvasync.Allocator, plan: Plan) ->
         f"layout:  {args.layout}: {layout.num_layers} layers x {layout.kv_buffers} buffers, "
         f"block {layout.block_size} tokens x {layout.num_kv_heads} heads x {layout.head_dim} "
         f"x {layout.dtype}, {'contiguous' if layout.contiguous else 'per-layer'}; "
-        f"page_size {config.page_size // 1024} KiB -> "
-        f"{layout.blocks_per_page(config.page_size)} block(s)/page"
+        f"page_size {kv.page_size // 1024} KiB -> "
+        f"{layout.blocks_per_page(kv.page_size)} block(s)/page"
     )
     print(
         f"timing:  perf_counter_ns around batches of {plan.batch} ops (hot rows), per-op mean of "

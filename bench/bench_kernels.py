@@ -287,6 +287,32 @@ def sweep(kernels: ModuleType, args: argparse.Namespace) -> None:
     block_copy._CHUNK_BYTES, block_copy._NUM_WARPS = defaults
 
 
+def sweep_gather(kernels: ModuleType, args: argparse.Namespace) -> None:
+    """TB/s of the gather on the interleaved layout for a few chunk sizes and warp counts (for
+    tuning its defaults), beside the copy peak of this run."""
+    from kvasync.kernels import block_copy
+
+    cache = make_cache("interleaved", args)
+    table = kernels.block_table(cache.buffers)
+    copy_peak, _ = peaks()
+    peak = copy_peak.gib * 2**30 / copy_peak.ms * 1e3
+    defaults = block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS
+    for n in args.blocks:
+        ids = torch.randperm(args.num_blocks, device=DEVICE)[:n].contiguous()
+        shape = (n, args.layers, 2, args.block_size, args.heads, args.head_dim)
+        out = torch.empty(shape, dtype=cache.buffers[0].dtype, device=DEVICE)
+        gib = 2 * n * len(cache.buffers) * cache.block_bytes / 2**30
+        print(f"gather sweep, interleaved, {n} blocks: TB/s (/ copy peak {peak / 1e12:.2f})")
+        for chunk, warps in ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32)):
+            block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS = chunk, warps
+            ms = time_ms(lambda ids=ids, out=out: kernels.gather_blocks(table, ids, out))
+            bps = gib * 2**30 / ms * 1e3
+            print(
+                f"  chunk {chunk:5d} B {warps:2d} warps: {bps / 1e12:.2f} TB/s ({bps / peak:.3f})"
+            )
+    block_copy._GATHER_CHUNK_BYTES, block_copy._GATHER_NUM_WARPS = defaults
+
+
 def print_table(rows: list[Row]) -> None:
     lines = [HEADER, *(r.cells() for r in rows)]
     widths = [max(len(line[k]) for line in lines) for k in range(len(HEADER))]
@@ -311,6 +337,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float16")
     p.add_argument("--num-blocks", type=int, default=0, help="cache size (default 2 x max)")
     p.add_argument("--sweep", action="store_true", help="also try other chunk sizes and warps")
+    p.add_argument(
+        "--sweep-gather", action="store_true", help="only sweep the interleaved gather's settings"
+    )
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under Triton's interpreter")
     args = p.parse_args()
     args.num_blocks = args.num_blocks or 2 * max(args.blocks)
@@ -332,6 +361,9 @@ def main() -> None:
         f"V, block {args.block_size} x {args.heads} x {args.head_dim} x {args.dtype}; "
         f"{args.num_blocks} blocks per buffer; random block ids"
     )
+    if args.sweep_gather:
+        sweep_gather(kernels, args)
+        return
     copy_peak, zero_peak = peaks()
     copy_bps = copy_peak.gib * 2**30 / copy_peak.ms * 1e3
     zero_bps = zero_peak.gib * 2**30 / zero_peak.ms * 1e3

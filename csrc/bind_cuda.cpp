@@ -11,10 +11,12 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_backend.h"
 #include "errors.h"
+#include "trace.h"
 
 namespace py = pybind11;
 using namespace kvasync;
@@ -101,7 +103,8 @@ void check(const CudaDriver& driver, CUresult result, const char* what) {
 // The driver's floor for the benchmark (bench/bench_map.py): the bare calls, batched the way
 // CudaBackend batches them (map each page, one cuMemSetAccess per run, one cuMemUnmap per run
 // when `run_unmap`), timed the same way (steady_clock around the batch). Per page, medians.
-py::dict driver_floor(int device, int64_t page_size, int64_t pages, int repeats, bool run_unmap) {
+py::dict driver_floor(int device, int64_t page_size, int64_t pages, int repeats, bool run_unmap,
+                      int64_t reserve_pages) {
   const CudaDriver& driver = CudaDriver::get();
   if (!driver.ok()) throw BackendError(driver.problem);
   std::vector<double> cold, warm, unmap, release;
@@ -112,7 +115,9 @@ py::dict driver_floor(int device, int64_t page_size, int64_t pages, int repeats,
     const size_t page = static_cast<size_t>(page_size);
     const size_t bytes = page * static_cast<size_t>(pages);
     const int64_t granularity = CudaBackend::device_granularity(device);
-    AddressReservation range(bytes, static_cast<size_t>(granularity));
+    // `reserve_pages` > pages: a reservation as large as an allocator's (does its size matter?)
+    AddressReservation range(page * static_cast<size_t>(std::max(pages, reserve_pages)),
+                             static_cast<size_t>(granularity));
     CUmemAllocationProp prop{};
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location = {CU_MEM_LOCATION_TYPE_DEVICE, device};
@@ -166,6 +171,87 @@ py::dict driver_floor(int device, int64_t page_size, int64_t pages, int repeats,
   return out;
 }
 
+// The driver's floor of one page id of the per-layer layout: one handle of `handle_bytes` in
+// each of `num_ranges` ranges (each its own reservation, as CudaBackend reserves them), created,
+// mapped and given access range by range, as CudaBackend::map does. With `threads` > 1 the ranges
+// are split between that many threads, each making its own driver calls (does concurrency pay?).
+// Medians of wall-clock seconds per page id: cold (create + map + access), warm (map + access of
+// existing handles), unmap.
+py::dict driver_floor_ranges(int device, int64_t handle_bytes, int num_ranges, int repeats,
+                             int threads, bool creates_first, int64_t reserve_handles) {
+  const CudaDriver& driver = CudaDriver::get();
+  if (!driver.ok()) throw BackendError(driver.problem);
+  if (num_ranges <= 0 || threads <= 0 || repeats <= 0) throw std::invalid_argument("bad sizes");
+  std::vector<double> cold, warm, unmap, release;
+  {
+    py::gil_scoped_release no_gil;
+    PrimaryContext context(device);
+    ScopedContext current(context);
+    const size_t bytes = static_cast<size_t>(handle_bytes);
+    const int64_t granularity = CudaBackend::device_granularity(device);
+    std::vector<std::unique_ptr<AddressReservation>> ranges;
+    for (int r = 0; r < num_ranges; ++r) {
+      ranges.push_back(std::make_unique<AddressReservation>(
+          bytes * static_cast<size_t>(std::max<int64_t>(1, reserve_handles)),
+          static_cast<size_t>(granularity)));
+    }
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = {CU_MEM_LOCATION_TYPE_DEVICE, device};
+    CUmemAccessDesc access{prop.location, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    std::vector<CUmemGenericAllocationHandle> handles(num_ranges);
+    // Runs `step(r)` for every range, split between the threads; returns wall-clock seconds.
+    auto across = [&](auto step) {
+      const auto start = std::chrono::steady_clock::now();
+      if (threads == 1) {
+        for (int r = 0; r < num_ranges; ++r) step(r);
+      } else {
+        std::vector<std::thread> workers;
+        for (int t = 0; t < threads; ++t) {
+          workers.emplace_back([&, t] {
+            context.make_current();
+            for (int r = t; r < num_ranges; r += threads) step(r);
+          });
+        }
+        for (auto& worker : workers) worker.join();
+      }
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
+    auto map_one = [&](int r) {
+      check(driver, driver.cuMemMap(ranges[r]->base(), bytes, 0, handles[r], 0), "cuMemMap");
+      check(driver, driver.cuMemSetAccess(ranges[r]->base(), bytes, &access, 1), "cuMemSetAccess");
+    };
+    auto unmap_one = [&](int r) {
+      check(driver, driver.cuMemUnmap(ranges[r]->base(), bytes), "cuMemUnmap");
+    };
+    for (int rep = 0; rep < repeats; ++rep) {
+      if (creates_first) {  // as CudaBackend::map does: every handle, then range by range
+        cold.push_back(across([&](int r) {
+          check(driver, driver.cuMemCreate(&handles[r], bytes, &prop, 0), "cuMemCreate");
+        }) + across(map_one));
+      } else {
+        cold.push_back(across([&](int r) {
+          check(driver, driver.cuMemCreate(&handles[r], bytes, &prop, 0), "cuMemCreate");
+          map_one(r);
+        }));
+      }
+      const double unmap_a = across(unmap_one);
+      warm.push_back(across(map_one));
+      unmap.push_back((unmap_a + across(unmap_one)) / 2);
+      const auto start = std::chrono::steady_clock::now();
+      for (int r = 0; r < num_ranges; ++r) check(driver, driver.cuMemRelease(handles[r]), "cuMemRelease");
+      release.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  py::dict out;
+  out["cold_map"] = median(cold);
+  out["pool_map"] = median(warm);
+  out["unmap"] = median(unmap);
+  out["release"] = median(release);
+  return out;
+}
+
 double timed(Backend& backend, bool map, int64_t first, int64_t count) {
   BackendResult result;
   double seconds;
@@ -201,6 +287,7 @@ void bind_cuda(py::module_& m) {
         d["released"] = s.released;
         d["taken_from_pool"] = s.taken_from_pool;
         d["created_on_map"] = s.created_on_map;
+        d["memory_info_reads"] = s.memory_info_reads;
         d["offset_mapping"] = s.offset_mapping;
         d["run_unmap"] = s.run_unmap;
         return d;
@@ -225,7 +312,17 @@ void bind_cuda(py::module_& m) {
         py::arg("after_event"));
   m.def("cuda_range_dlpack", &range_dlpack, py::arg("backend"), py::arg("range"));
   m.def("cuda_driver_floor", &driver_floor, py::arg("device"), py::arg("page_size"),
-        py::arg("pages"), py::arg("repeats"), py::arg("run_unmap"));
+        py::arg("pages"), py::arg("repeats"), py::arg("run_unmap"), py::arg("reserve_pages") = 0);
+  m.def("cuda_driver_floor_ranges", &driver_floor_ranges, py::arg("device"),
+        py::arg("handle_bytes"), py::arg("num_ranges"), py::arg("repeats"), py::arg("threads"),
+        py::arg("creates_first") = false, py::arg("reserve_handles") = 1);
+  m.def("trace_points", [] {
+    py::dict out;
+    for (int p = 0; p < trace::kNumPoints; ++p) {
+      out[trace::kNames[p]] = trace::points[p].load(std::memory_order_relaxed);
+    }
+    return out;
+  }, "The CLOCK_MONOTONIC nanoseconds at which the latest request passed each point (trace.h).");
   m.def("backend_time_map",
         [](const std::shared_ptr<Backend>& b, int64_t first, int64_t count) {
           return timed(*b, true, first, count);

@@ -18,6 +18,7 @@ namespace py = pybind11;
 using namespace kvasync;
 
 void bind_cuda(py::module_& m);  // bind_cuda.cpp
+void bind_ledger(py::module_& m);  // bind_ledger.cpp
 
 namespace {
 
@@ -137,6 +138,7 @@ void register_errors() {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "kvasync's C++ core: page pool, mapper thread and virtual-memory backends";
   register_errors();
+  bind_ledger(m);  // before PagePool, which takes a ShareMember
 
   py::class_<Backend, std::shared_ptr<Backend>>(m, "Backend")
       .def_property_readonly("name", &Backend::name)
@@ -183,17 +185,17 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](std::shared_ptr<Backend> backend, int64_t num_blocks,
                        int64_t blocks_per_page, int64_t limit_pages, int64_t reserve_low,
                        int64_t reserve_high, double default_timeout_s, int64_t block_bytes,
-                       int64_t page_bytes) {
+                       int64_t page_bytes, std::shared_ptr<ShareMember> share) {
              PoolConfig config{num_blocks, blocks_per_page, limit_pages,
                                reserve_low, reserve_high, default_timeout_s};
              config.block_bytes = block_bytes;
              config.page_bytes = page_bytes;
-             return new PoolHandle(PagePool::create(std::move(backend), config));
+             return new PoolHandle(PagePool::create(std::move(backend), config, std::move(share)));
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("blocks_per_page"),
            py::arg("limit_pages"), py::arg("reserve_low"), py::arg("reserve_high"),
            py::arg("default_timeout_s"), py::kw_only(), py::arg("block_bytes") = 0,
-           py::arg("page_bytes") = 0)
+           py::arg("page_bytes") = 0, py::arg("share") = nullptr)
       .def("alloc",
            [](PoolHandle& pool, int64_t n, double deadline) -> py::object {
              auto result = pool->alloc(n, deadline);
@@ -236,9 +238,24 @@ PYBIND11_MODULE(_core, m) {
              }
              return out;
            })
+      .def("take_completion",
+           [](PoolHandle& pool, int64_t request_id, double max_spin_s) -> py::object {
+             std::optional<Completion> record;
+             {
+               py::gil_scoped_release no_gil;
+               record = pool->take_completion(request_id, max_spin_s);
+             }
+             if (!record) return py::none();
+             return py::make_tuple(static_cast<int>(record->status), to_list(record->blocks),
+                                   record->message);
+           },
+           py::arg("request_id"), py::arg("max_spin_s"))
       .def_property_readonly("completion_fd", [](PoolHandle& pool) { return pool->completion_fd(); })
-      .def("trim", [](PoolHandle& pool, double deadline) { return pool->trim(deadline); },
-           py::arg("deadline"))
+      .def("trim",
+           [](PoolHandle& pool, double deadline, bool release_cached) {
+             return pool->trim(deadline, release_cached);
+           },
+           py::arg("deadline"), py::arg("release_cached") = true)
       .def("set_limit_pages",
            [](PoolHandle& pool, int64_t pages, double deadline) {
              return pool->set_limit_pages(pages, deadline);

@@ -9,8 +9,11 @@
 // lock order: PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,11 +40,15 @@ class CompletionQueue {
   // Takes every queued record. Clears the eventfd *before* taking them, so a record pushed
   // concurrently is either taken now or leaves the fd readable: no lost wake-up.
   std::vector<Completion> drain();
+  // Takes the record of `request_id` alone, spinning for it until `until` (Note [Spinning
+  // wake-up] in wakeup.h); other records stay queued for drain(). Empty when it did not come.
+  std::optional<Completion> take(int64_t request_id, std::chrono::steady_clock::time_point until);
 
  private:
   int event_fd_;
   std::mutex mutex_;
   std::vector<Completion> records_;
+  std::atomic<uint64_t> pushed_{0};  // records pushed so far: take() looks only when it moves
 };
 
 }  // namespace kvasync

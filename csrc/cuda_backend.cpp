@@ -7,6 +7,7 @@
 #include <string>
 
 #include "errors.h"
+#include "trace.h"
 
 namespace kvasync {
 namespace {
@@ -17,6 +18,20 @@ constexpr auto kFencePollMax = std::chrono::microseconds(500);
 // Upkeep waits until maps and unmaps have been quiet this long: a map followed soon by an unmap
 // gets its handles back from the unmap (no create, no release).
 constexpr auto kHandleGrace = std::chrono::milliseconds(5);
+
+// Note [Memory headroom]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// cuMemGetInfo costs ~8 us, a sixth of a cold map's driver time: a map must not pay it each time.
+// The backend keeps the last reading and adds what it created since (its releases are not
+// subtracted: the estimate only errs towards less headroom). A map uses a reading up to
+// kMemoryInfoMaxAge old, and the mapper's upkeep reads it again once maps and unmaps have been
+// quiet for kMemoryInfoQuiet (not at once: the next job of a burst would wait behind it). A map
+// that follows another (a burst, a trim then an alloc) or a quiet spell pays no cuMemGetInfo;
+// one in a long busy stretch reads it at most every kMemoryInfoMaxAge. What other processes
+// allocated since the reading is not seen: the guard can be late by at most that age (the
+// driver still refuses what does not fit). A refusal is always confirmed by a fresh reading.
+constexpr auto kMemoryInfoMaxAge = std::chrono::milliseconds(20);
+constexpr auto kMemoryInfoQuiet = std::chrono::milliseconds(2);
 
 const CudaDriver& checked_driver() {
   const CudaDriver& driver = CudaDriver::get();
@@ -227,24 +242,48 @@ void CudaBackend::probe_driver() {
   }
 }
 
-BackendResult CudaBackend::headroom_check(int64_t pages) const {
+CUresult CudaBackend::refresh_memory_info() {
   size_t free_bytes = 0, total_bytes = 0;
   const CUresult result = driver_.cuMemGetInfo(&free_bytes, &total_bytes);
-  if (result != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(result, "cuMemGetInfo"));
-  // Signed on purpose: a device already above the ceiling has a negative headroom, i.e. none.
-  const int64_t total = static_cast<int64_t>(total_bytes);
-  const int64_t used = total - static_cast<int64_t>(free_bytes);
-  const int64_t ceiling = static_cast<int64_t>(gpu_utilization_ * static_cast<double>(total));
-  const int64_t headroom = ceiling - used;
+  if (result != CUDA_SUCCESS) return result;
+  info_total_ = static_cast<int64_t>(total_bytes);
+  info_used_ = info_total_ - static_cast<int64_t>(free_bytes);
+  created_since_info_ = 0;
+  info_time_ = std::chrono::steady_clock::now();
+  ++memory_info_reads_;
+  return CUDA_SUCCESS;
+}
+
+BackendResult CudaBackend::headroom_check(int64_t pages) {
   const int64_t want = pages * page_size_ * num_ranges_;
-  if (want > headroom) {
-    return BackendResult::failure(
-        "CUDA_ERROR_OUT_OF_MEMORY: creating " + std::to_string(pages) + " page(s) (" + mib(want) +
-        ") would exceed gpu_utilization " + std::to_string(gpu_utilization_) + " of " +
-        mib(total) + " on device " + std::to_string(device()) + " (" + mib(used) +
-        " in use, headroom " + (headroom > 0 ? mib(headroom) : "none") + ")");
+  // Signed on purpose: a device already above the ceiling has a negative headroom, i.e. none.
+  auto headroom = [&] {
+    const int64_t ceiling =
+        static_cast<int64_t>(gpu_utilization_ * static_cast<double>(info_total_));
+    return ceiling - (info_used_ + created_since_info_);
+  };
+  // Note [Memory headroom]: a recent reading, and a fresh one before saying no.
+  bool fresh = false;
+  if (info_total_ == 0 || std::chrono::steady_clock::now() - info_time_ > kMemoryInfoMaxAge) {
+    const CUresult result = refresh_memory_info();
+    if (result != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(result, "cuMemGetInfo"));
+    fresh = true;
   }
-  return BackendResult::success();
+  if (want > headroom() && !fresh) {
+    const CUresult result = refresh_memory_info();
+    if (result != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(result, "cuMemGetInfo"));
+  }
+  const int64_t room = headroom();
+  if (want <= room) {
+    created_since_info_ += want;  // counted now: the caller creates it next
+    return BackendResult::success();
+  }
+  return BackendResult::failure(
+      "CUDA_ERROR_OUT_OF_MEMORY: creating " + std::to_string(pages) + " page(s) (" + mib(want) +
+      ") would exceed gpu_utilization " + std::to_string(gpu_utilization_) + " of " +
+      mib(info_total_) + " on device " + std::to_string(device()) + " (" +
+      mib(info_used_ + created_since_info_) + " in use, headroom " +
+      (room > 0 ? mib(room) : "none") + ")");
 }
 
 BackendResult CudaBackend::take_pages(int64_t count,
@@ -263,8 +302,12 @@ BackendResult CudaBackend::take_pages(int64_t count,
     ahead_ = std::min(ahead_ + count, spare_capacity_ - static_cast<int64_t>(spare_.size()));
   }
   const int64_t cold = count - from_pool;
-  if (cold == 0) return BackendResult::success();
+  if (cold == 0) {
+    trace::mark(trace::kCreated);
+    return BackendResult::success();
+  }
   BackendResult room = headroom_check(cold);
+  trace::mark(trace::kHeadroomDone);
   const int handles = offset_mapping_ ? 1 : num_ranges_;
   const size_t bytes = static_cast<size_t>(page_size_) * (offset_mapping_ ? num_ranges_ : 1);
   for (int64_t i = 0; room.ok && i < cold; ++i) {
@@ -273,6 +316,7 @@ BackendResult CudaBackend::take_pages(int64_t count,
     if (!page) room = BackendResult::failure(error);
     else out.push_back(std::move(page));
   }
+  trace::mark(trace::kCreated);
   std::lock_guard<std::mutex> lock(spare_mutex_);
   created_on_map_ += static_cast<int64_t>(out.size()) - from_pool;
   created_ += static_cast<int64_t>(out.size()) - from_pool;
@@ -337,6 +381,7 @@ BackendResult CudaBackend::map(int64_t first, int64_t count) {
       if (!result.ok) break;
     }
     if (!result.ok) break;
+    if (range == 0) trace::mark(trace::kMapped);
     // One access call for the whole run in this range (Note [CUDA backend]: batching).
     const CUresult access = driver_.cuMemSetAccess(address(range, first), count * page_size_, &access_, 1);
     if (access != CUDA_SUCCESS) {
@@ -355,6 +400,7 @@ BackendResult CudaBackend::map(int64_t first, int64_t count) {
     return result;
   }
   for (int64_t i = 0; i < count; ++i) mapped_[first + i] = std::move(memory[i]);
+  trace::mark(trace::kAccessDone);
   return result;
 }
 
@@ -469,12 +515,22 @@ uintptr_t CudaBackend::record_fence(int device, uintptr_t stream, uintptr_t afte
 
 double CudaBackend::upkeep() {
   std::unique_lock<std::mutex> lock(spare_mutex_);
+  const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+  // Note [Memory headroom]: read again once maps and unmaps have been quiet for a moment.
+  const bool stale = last_activity_ > info_time_ && info_total_ != 0;
+  if (stale && quiet >= kMemoryInfoQuiet) {
+    lock.unlock();
+    ScopedContext current(context_);
+    refresh_memory_info();
+    return 0;
+  }
+  const double refresh_in =
+      stale ? std::chrono::duration<double>(kMemoryInfoQuiet - quiet).count() : kNoUpkeep;
   const bool work = !to_release_.empty() ||
                     (ahead_ > 0 && static_cast<int64_t>(spare_.size()) < spare_capacity_);
-  if (!work) return kNoUpkeep;
-  const auto quiet = std::chrono::steady_clock::now() - last_activity_;
+  if (!work) return refresh_in;
   if (quiet < kHandleGrace) {
-    return std::chrono::duration<double>(kHandleGrace - quiet).count();
+    return std::min(refresh_in, std::chrono::duration<double>(kHandleGrace - quiet).count());
   }
   if (!to_release_.empty()) {
     std::unique_ptr<PhysicalPage> surplus = std::move(to_release_.back());
@@ -518,7 +574,7 @@ bool CudaBackend::settle(double timeout_s) {
 HandlePoolStats CudaBackend::handle_stats() const {
   std::lock_guard<std::mutex> lock(spare_mutex_);
   return {static_cast<int64_t>(spare_.size()), spare_capacity_, created_, released_,
-          taken_from_pool_, created_on_map_, offset_mapping_, run_unmap_};
+          taken_from_pool_, created_on_map_, memory_info_reads_.load(), offset_mapping_, run_unmap_};
 }
 
 void CudaBackend::release_spare() {

@@ -25,8 +25,9 @@
 //    an unmap that follows a map closely refills the pool itself. No thread of its own: nothing
 //    to join at destruction, and no second thread contending for the driver.
 //  - Memory headroom: every cuMemCreate (a map or upkeep) first checks that the device
-//    stays at or below gpu_utilization * total, from cuMemGetInfo in signed int64 arithmetic: a
-//    nearly full device gives a negative headroom, i.e. none. A map that would cross it fails with
+//    stays at or below gpu_utilization * total, from cuMemGetInfo (a reading at most
+//    kMemoryInfoMaxAge old, refreshed off the map's path: Note [Memory headroom] in the .cpp) in
+//    signed int64 arithmetic: a nearly full device gives a negative headroom, i.e. none. A map that would cross it fails with
 //    "CUDA_ERROR_OUT_OF_MEMORY: ... would exceed gpu_utilization ...". The backend cannot tell a
 //    reserve refill from a request, so the guard applies to both (a request then gets MapError).
 //  - Fences are CUevents (Note [Unmap safety] in page_pool.h): wait_fence polls cuEventQuery with
@@ -142,7 +143,8 @@ class Stream {
 };
 
 struct HandlePoolStats {
-  int64_t spare_pages, spare_capacity, created, released, taken_from_pool, created_on_map;
+  int64_t spare_pages, spare_capacity, created, released, taken_from_pool, created_on_map,
+      memory_info_reads;
   bool offset_mapping, run_unmap;
 };
 
@@ -190,7 +192,8 @@ class CudaBackend final : public Backend {
     return ranges_[range]->base() + static_cast<cuda::CUdeviceptr>(page * page_size_);
   }
   void probe_driver();
-  BackendResult headroom_check(int64_t pages) const;
+  BackendResult headroom_check(int64_t pages);
+  cuda::CUresult refresh_memory_info();
   BackendResult take_pages(int64_t count, std::vector<std::unique_ptr<PhysicalPage>>& out);
   void give_back(std::vector<std::unique_ptr<PhysicalPage>> pages);
   BackendResult map_page(int range, int64_t page, const PhysicalPage& memory);
@@ -218,6 +221,12 @@ class CudaBackend final : public Backend {
   int64_t ahead_ = 0;  // spares upkeep should create
   std::chrono::steady_clock::time_point last_activity_{};  // last map or unmap (kHandleGrace)
   int64_t created_ = 0, released_ = 0, taken_from_pool_ = 0, created_on_map_ = 0;
+
+  // The device's memory as cuMemGetInfo last read it, plus what this backend created since
+  // (Note [Memory headroom] in cuda_backend.cpp). Mapper thread only.
+  int64_t info_used_ = 0, info_total_ = 0, created_since_info_ = 0;
+  std::chrono::steady_clock::time_point info_time_{};
+  std::atomic<int64_t> memory_info_reads_{0};  // read by stats from any thread
 };
 
 }  // namespace kvasync

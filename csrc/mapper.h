@@ -1,7 +1,8 @@
 // Mapper: the dedicated thread that runs the page pool's map and unmap jobs.
 //
 // The thread is pure C++: it never calls Python, never takes the GIL, never owns a Python object.
-// It idles in poll() on an eventfd with a timeout (no condition variable), takes the earliest
+// After a job it spins for a moment, then idles in poll() on an eventfd with a timeout (Note
+// [Spinning wake-up] in wakeup.h; no condition variable), takes the earliest
 // deadline job from the pool, runs it against the backend in runs of consecutive pages (one call
 // per run, so the driver can batch), and hands the result back to the pool. Between jobs it does
 // the backend's upkeep (Backend::upkeep), so it is the only thread that calls the driver.

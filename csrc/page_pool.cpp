@@ -5,9 +5,11 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "errors.h"
+#include "trace.h"
 
 namespace kvasync {
 namespace {
@@ -134,10 +136,13 @@ void PagePool::check_capacity(const PoolConfig& config) {
   }
 }
 
-std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, PoolConfig config) {
+std::shared_ptr<PagePool> PagePool::create(std::shared_ptr<Backend> backend, PoolConfig config,
+                                           std::shared_ptr<ShareMember> share) {
   check_capacity(config);  // before the constructor allocates anything
   std::shared_ptr<PagePool> pool(new PagePool(std::move(backend), config));
+  pool->share_ = std::move(share);
   pool->mapper_.start(pool);
+  if (pool->share_) pool->share_->start(pool);
   {
     std::lock_guard<std::mutex> lock(pool->mutex_);
     pool->plan_refill();  // start filling the reserve; nothing waits for it
@@ -188,6 +193,7 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
     unmapped_.insert(p);
   }
   count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
+  configured_limit_pages_ = config.limit_pages;
   block_used_.assign(config.num_blocks, 0);
 }
 
@@ -340,6 +346,7 @@ void PagePool::push_job(Job job) {
   job.seq = next_job_seq_++;
   (job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_).insert(job.seq);
   jobs_[job.deadline].push_back(std::move(job));
+  trace::mark(trace::kJobQueued);
   mapper_.wake();
 }
 
@@ -356,6 +363,7 @@ void PagePool::serve_waiters() {
 }
 
 void PagePool::plan_maps() {
+  if (share_ && waiters_.empty()) share_->set_blocked(0);
   if (waiters_.empty() || closed_) return;
   const int64_t deficit = waiting_blocks_ - free_blocks_ - incoming_for_waiters_;
   const int64_t headroom = headroom_pages();
@@ -376,6 +384,11 @@ void PagePool::plan_maps() {
   for (const Waiter& w : waiters_) deadline = std::max(deadline, w.deadline);
   if (deadline <= Clock::now()) return;
   std::vector<int64_t> pages = claim_unmapped(deficit, headroom);
+  if (share_) {
+    const size_t wanted = pages.size();
+    charge_share(pages, false);
+    share_->set_blocked(pages.size() < wanted ? static_cast<int64_t>(waiters_.size()) : 0);
+  }
   if (pages.empty()) return;
   for (int64_t page : pages) incoming_for_waiters_ += pages_[page].num_blocks;
   push_job({JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline});
@@ -388,6 +401,7 @@ void PagePool::plan_refill() {
   const int64_t want = std::min(config_.reserve_high - have, headroom_pages());
   if (want <= 0) return;
   std::vector<int64_t> pages = claim_unmapped(INT64_MAX, want);
+  charge_share(pages, true);
   if (pages.empty()) return;
   refill_pages_ += static_cast<int64_t>(pages.size());
   push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
@@ -398,8 +412,9 @@ void PagePool::plan_unmaps() {
   const int64_t reserve = count_[(int)PageState::kFree];
   // Pages mapped beyond a lowered limit, less those already on their way out.
   const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
-  const int64_t kept = reserve_kept_pages(Clock::now());  // Note [Nowait maps]
-  const int64_t excess = std::min(reserve, std::max(reserve - kept, over_limit));
+  // Another allocator of the share short of budget: the whole reserve goes back to it.
+  const int64_t keep = share_ && share_->pressure() ? 0 : reserve_kept_pages(Clock::now());
+  const int64_t excess = std::min(reserve, std::max(reserve - keep, over_limit));
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
   push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
@@ -565,6 +580,7 @@ std::string PagePool::describe_wait(const Waiter& waiter) const {
     out << ", at the memory limit of " << config_.limit_pages << " page(s) with " << free_blocks_
         << " free block(s): waiting for blocks to be freed";
   }
+  if (share_ && share_->blocked()) out << ", " << share_->describe_budget();
   return out.str();
 }
 
@@ -598,7 +614,7 @@ void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const st
   completions_.push({request_id, status, {}, message});
 }
 
-int64_t PagePool::trim(double deadline_s) {
+int64_t PagePool::trim(double deadline_s, bool release_cached) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   // Note [Trim]: no refill until the next alloc, and a refill not started yet never starts.
@@ -615,7 +631,8 @@ int64_t PagePool::trim(double deadline_s) {
     }
     it = queued.empty() ? jobs_.erase(it) : std::next(it);
   }
-  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0};
+  PendingTrim trim{next_request_id_++, next_job_seq_, to_time_point(deadline_s), 0, false, 0,
+                   !release_cached};
   if (trim_done(trim)) return 0;
   trims_.push_back(trim);
   return trim.id;
@@ -627,7 +644,9 @@ bool PagePool::trim_done(PendingTrim& trim) {
     // [Trim]); so a trim ends after a bounded number of sweeps even while frees go on. Free
     // blocks go to waiters first: a reserve that a waiter counts on stays.
     if (waiters_.empty() && !reserve_.empty()) {
-      push_job(make_unmap_job(highest_reserve(reserve_.size()), trim.id, trim.deadline));
+      Job job = make_unmap_job(highest_reserve(reserve_.size()), trim.id, trim.deadline);
+      job.keep_cached = trim.keep_cached;
+      push_job(std::move(job));
       ++trim.unmap_jobs;
     }
     if (!maps_in_flight_.empty() && *maps_in_flight_.begin() < trim.before_seq) return false;
@@ -683,6 +702,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   config_.limit_pages = limit_pages;
+  configured_limit_pages_ = limit_pages;
   const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
@@ -726,6 +746,7 @@ bool PagePool::close(double timeout_s) {
     trims_.clear();
   }
   const bool joined = mapper_.stop_and_join(timeout_s);
+  // NOTE: an abandoned mapper keeps its mappings, and its pages stay charged to the share.
   if (!joined) return false;  // the thread still owns the backend: leave the mappings alone
   std::vector<int64_t> unmapping;
   std::set<uintptr_t> fences;
@@ -763,9 +784,14 @@ bool PagePool::close(double timeout_s) {
       }
     }
   }
-  FenceReleasingLock lock(*this);
-  for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
-  drop_fences(unmapping);
+  {
+    FenceReleasingLock lock(*this);
+    for (int64_t page : unmapping) set_state(page, PageState::kUnmapped);
+    drop_fences(unmapping);
+    release_share(static_cast<int64_t>(unmapping.size()));  // reverted jobs released theirs
+  }
+  // Not under mutex_: the watcher takes it on each tick.
+  if (share_) share_->stop(1.0);
   return true;
 }
 
@@ -784,6 +810,7 @@ void PagePool::revert_job(const Job& job) {
   }
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
   job_left_flight(job);
+  if (job.kind != JobKind::kUnmap) release_share(static_cast<int64_t>(job.pages.size()));
 }
 
 std::vector<Job> PagePool::next_batch() {
@@ -885,6 +912,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     }
     drop_fences(unmapped);
     job_left_flight(job);
+    release_share(static_cast<int64_t>(unmapped.size()));
     unmaps_done_ += static_cast<int64_t>(unmapped.size());
     if (job.request_id != 0 && !finish_trim_unmap(job.request_id, result)) {
       completions_.push({job.request_id,
@@ -935,6 +963,41 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   settle_trims();
 }
 
+void PagePool::record_job_time(JobKind kind, double seconds, int64_t pages) {
+  if (pages <= 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  double& average = seconds_per_page_[kind == JobKind::kUnmap ? 1 : 0];
+  const double sample = seconds / static_cast<double>(pages);
+  average = average == 0.0 ? sample : 0.75 * average + 0.25 * sample;
+}
+
+std::optional<Completion> PagePool::take_completion(int64_t request_id, double max_spin_s) {
+  double expected = 0.0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto cost = [&](const Job& job) {
+      return seconds_per_page_[job.kind == JobKind::kUnmap ? 1 : 0] *
+             static_cast<double>(job.pages.size());
+    };
+    for (const auto& [deadline, jobs] : jobs_) {
+      for (const Job& job : jobs) expected += cost(job);
+    }
+    if (current_job_) {
+      expected += std::max(0.0, cost(*current_job_) - seconds_since(current_job_start_));
+    }
+  }
+  // Not learnt yet (0), too long to spin for, or one CPU (spinning would only delay the mapper):
+  // the caller sleeps until the loop is woken.
+  constexpr double kMargin = 20e-6;
+  static const bool several_cpus = std::thread::hardware_concurrency() > 1;
+  if (expected == 0.0 || expected > max_spin_s || !several_cpus) {
+    return completions_.take(request_id, Clock::now());  // only if it is already there
+  }
+  const double spin = std::min(max_spin_s, 1.5 * expected + kMargin);
+  return completions_.take(request_id, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                          std::chrono::duration<double>(spin)));
+}
+
 // ---------------------------------------------------------------------------------------------
 
 PoolStats PagePool::stats() const {
@@ -973,6 +1036,77 @@ PoolStats PagePool::stats() const {
 bool PagePool::is_allocated(int64_t block) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return block >= 0 && block < config_.num_blocks && block_used_[block] == 1;
+}
+
+}  // namespace kvasync
+
+// ---------------------------------------------------------------------------------------------
+// The share (Note [Share ledger] in ledger.h)
+
+namespace kvasync {
+
+void PagePool::charge_share(std::vector<int64_t>& pages, bool refill) {
+  if (!share_ || pages.empty()) return;
+  // Pages the share's budget does not allow go back unmapped (they were never charged).
+  const int64_t granted = share_->grant(static_cast<int64_t>(pages.size()), refill);
+  while (static_cast<int64_t>(pages.size()) > granted) {
+    set_state(pages.back(), PageState::kUnmapped);
+    pages.pop_back();
+  }
+}
+
+void PagePool::release_share(int64_t pages) {
+  if (!share_ || pages <= 0) return;
+  share_->release(pages);
+  share_->notify();  // a waiter of another process may fit now
+}
+
+void PagePool::apply_share_limit(int64_t limit_pages) {
+  // As set_limit_pages, without a barrier: nobody awaits a limit set from outside.
+  config_.limit_pages = limit_pages;
+  const int64_t limit = limit_blocks(limit_pages);
+  std::vector<int64_t> too_big;
+  for (const Waiter& w : waiters_) {
+    if (w.n > limit) too_big.push_back(w.id);
+  }
+  for (int64_t id : too_big) {
+    fail_waiter(id, CompletionStatus::kOutOfBlocks,
+                "the share's operator lowered this allocator's limit to " +
+                    std::to_string(limit) + " blocks, fewer than this request needs");
+  }
+}
+
+void PagePool::on_share_tick(ShareMember& member) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return;
+  const int64_t requested = member.take_requested_limit();
+  if (requested >= 0) {
+    const int64_t pages = static_cast<int64_t>(pages_.size());
+    apply_share_limit(requested == 0 ? configured_limit_pages_
+                                     : std::clamp<int64_t>(requested / member.page_bytes(), 1,
+                                                           pages));
+  }
+  // Memory may have been released elsewhere in the share: serve, map, give back, refill.
+  serve_waiters();
+  plan_maps();
+  plan_unmaps();
+  plan_refill();
+  const int64_t page_bytes = member.page_bytes();
+  // Note [Blocks and pages]: pages may hold different numbers of blocks; used bytes are counted
+  // at the fewest a page holds (an upper bound).
+  const int64_t bpp = std::max<int64_t>(min_page_blocks_, 1);
+  std::string op;
+  double age = 0.0;
+  if (current_job_) {
+    op = std::string(job_name(current_job_->kind)) + " of " +
+         std::to_string(current_job_->pages.size()) + " page(s)";
+    age = seconds_since(current_job_start_);
+  }
+  member.publish(
+      (count_[(int)PageState::kFree] + count_[(int)PageState::kInUse]) * page_bytes,
+      count_[(int)PageState::kFree] * page_bytes, used_blocks_ * page_bytes / bpp,
+      std::min<int64_t>(config_.limit_pages, static_cast<int64_t>(pages_.size())) * page_bytes,
+      static_cast<int64_t>(waiters_.size()), op, age);
 }
 
 }  // namespace kvasync

@@ -97,6 +97,7 @@
 
 #include "backend.h"
 #include "completion_queue.h"
+#include "ledger.h"
 #include "mapper.h"
 #include "page_set.h"
 
@@ -127,6 +128,7 @@ struct Job {
   Clock::time_point deadline;
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
   int64_t seq = 0;                // queue order (Note [Trim]); set by push_job
+  bool keep_cached = false;       // a trim that keeps the backend's pooled handles
 };
 
 // One job holding the pages of `jobs` (map jobs, run as one batch).
@@ -146,7 +148,9 @@ struct PoolStats {
 
 class PagePool : public std::enable_shared_from_this<PagePool> {
  public:
-  static std::shared_ptr<PagePool> create(std::shared_ptr<Backend> backend, PoolConfig config);
+  // `share` (optional) joins the pool to a device's share ledger (Note [Share ledger]).
+  static std::shared_ptr<PagePool> create(std::shared_ptr<Backend> backend, PoolConfig config,
+                                          std::shared_ptr<ShareMember> share = nullptr);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
@@ -171,10 +175,18 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // (its completion is already queued). `timed_out` counts it in stats.
   std::optional<std::string> cancel(int64_t request_id, bool timed_out);
   std::vector<Completion> drain() { return completions_.drain(); }
+  // The completion of `request_id`, taken alone, when the mapper's queued and current work is
+  // expected to end within `max_spin_s`: the caller (the GIL released) spins for it that long
+  // at most (Note [Spinning wake-up] in wakeup.h). Empty when it did not come, or when the work
+  // is expected to take longer (then nothing spins).
+  std::optional<Completion> take_completion(int64_t request_id, double max_spin_s);
+  // The mapper's measure of its jobs: seconds per page, kept as a moving average per kind.
+  void record_job_time(JobKind kind, double seconds, int64_t pages);
   int completion_fd() const { return completions_.fd(); }
 
   // Returns a barrier request id completed when the unmaps are done, or 0 when there is none.
-  int64_t trim(double deadline_s);
+  // `release_cached`: also give back what the backend keeps for quick re-mapping (cuda handles).
+  int64_t trim(double deadline_s, bool release_cached = true);
   int64_t set_limit_pages(int64_t limit_pages, double deadline_s);
   // Returns true when the mapper thread was joined, false when it was abandoned at the deadline.
   bool close(double timeout_s);
@@ -195,6 +207,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void finish_job(const Job& job, const BackendResult& result,
                   const std::vector<int64_t>& still_mapped);
   Backend& mutable_backend() { return *backend_; }
+
+  // The share watcher's side (ledger.cpp): re-plans after memory was released in the share,
+  // applies a limit set from outside, publishes this pool's figures into its entry.
+  void on_share_tick(ShareMember& member);
 
  private:
   PagePool(std::shared_ptr<Backend> backend, PoolConfig config);
@@ -220,6 +236,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     int64_t unmap_jobs;  // its unmap jobs still queued or running
     bool swept;          // the maps it waited for have landed and their pages were unmapped
     int64_t unmaps_before_seq;  // once swept: waits for the unmaps queued before this
+    bool keep_cached;           // trim(release_handles=False): the backend keeps its handles
   };
   class FenceReleasingLock;  // Note [Fences outside the lock]
 
@@ -252,6 +269,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void fail_waiter(int64_t request_id, CompletionStatus status, const std::string& message);
   std::string describe_wait(const Waiter& waiter) const;
   void check_open() const;
+  void charge_share(std::vector<int64_t>& pages, bool refill);
+  void release_share(int64_t pages);
+  void apply_share_limit(int64_t limit_pages);
 
   std::shared_ptr<Backend> backend_;
   PoolConfig config_;
@@ -284,6 +304,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t batches_ = 0;  // backend batches the mapper ran
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
+  std::shared_ptr<ShareMember> share_;  // null: no share (Note [Share ledger])
+  int64_t configured_limit_pages_ = 0;   // the limit a share's "back to configured" restores
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;
@@ -293,6 +315,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::multiset<int64_t> unmaps_in_flight_;  // and unmap job
   int64_t next_job_seq_ = 1;
   bool refill_paused_ = false;  // by a trim, until the next alloc
+  double seconds_per_page_[2] = {0.0, 0.0};  // map (and refill), unmap: moving averages
 };
 
 }  // namespace kvasync

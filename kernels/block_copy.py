@@ -68,6 +68,12 @@ _CHUNK_BYTES = 4096
 # Below this many bytes a chunk is too small to be worth avoiding a mask for.
 _MIN_EVEN_CHUNK_BYTES = 1024
 _NUM_WARPS = 8  # at most
+# The gather alone: 8 KiB chunks at 16 warps (still one 16-byte vector per thread), half the loop
+# iterations per program. On the H200 its interleaved (contiguous-layout) case measured 0.95 of
+# the copy peak this way against 0.93 at 4 KiB / 8 warps; two buffers per program and streaming
+# cache hints (evict_first / .cs) did not help (bench/RESULTS.md).
+_GATHER_CHUNK_BYTES = 8192
+_GATHER_NUM_WARPS = 16
 _MAX_GRID_Y = 65535  # CUDA's limit on grid axis 1 (axis 0 takes up to 2**31 - 1)
 _MAX_ALIGN = 16
 _UNIT_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -270,13 +276,18 @@ class _Launch:
         }
 
 
-def _plan(table: BlockTable, *tensors: torch.Tensor) -> _Launch:
+def _plan(
+    table: BlockTable,
+    *tensors: torch.Tensor,
+    chunk_bytes: int | None = None,
+    max_warps: int | None = None,
+) -> _Launch:
     """Pick the unit, vector width and chunk size for `table` and the contiguous `tensors`."""
     align = _alignment(table.alignment, *(t.data_ptr() for t in tensors))
     unit_bytes = min(align, 4)
     vec = align // unit_bytes
     units = table.block_bytes // unit_bytes
-    max_block = _CHUNK_BYTES // unit_bytes
+    max_block = (chunk_bytes or _CHUNK_BYTES) // unit_bytes
     if units <= max_block:
         block = triton.next_power_of_2(units)
     else:
@@ -293,7 +304,7 @@ def _plan(table: BlockTable, *tensors: torch.Tensor) -> _Launch:
         block_stride_vecs=table.block_stride_bytes // (unit_bytes * vec),
         num_chunks=triton.cdiv(units, block),
         # Few enough threads that each one moves a whole vector (a small block, fewer warps).
-        num_warps=max(1, min(_NUM_WARPS, block // (32 * vec))),
+        num_warps=max(1, min(max_warps or _NUM_WARPS, block // (32 * vec))),
     )
 
 
@@ -311,7 +322,7 @@ def gather_blocks(table: BlockTable, ids: torch.Tensor, out: torch.Tensor) -> No
 
     `ids` is int64 on the buffers' device, `out` contiguous with len(ids) * num_buffers blocks.
     """
-    plan = _plan(table, out)
+    plan = _plan(table, out, chunk_bytes=_GATHER_CHUNK_BYTES, max_warps=_GATHER_NUM_WARPS)
     units = _as_units(out, plan.unit_bytes).view(ids.numel(), -1)
     for part in _id_slices(ids.numel()):
         _gather_kernel[(table.num_buffers, part.stop - part.start)](

@@ -361,7 +361,7 @@ CONFIG_BAD: dict[str, list[object]] = {
     "backend": ["tpu", "", "HOST", None, 1, b"host", ["host"]],
     "max_blocks": bad_counts(),
     "memory_limit": bad_counts(none_ok=True),
-    "page_size": [0, -4096, 4095, 4097, True, 4096.0, "4096", None, 2**70, [4096]],
+    "page_size": [0, -4096, 4095, 4097, True, 4096.0, "4096", 2**70, [4096]],
     "reserve_pages": [
         (1,),
         (1, 2, 3),

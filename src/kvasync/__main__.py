@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from ._demo import simulate_command
+from ._ledger_cli import limit_command, ls_command, top_command
 from .serve._cli import demo_command, serve_command
 
 __all__ = ["main"]
@@ -24,6 +25,9 @@ def main() -> None:
 main.add_command(simulate_command)
 main.add_command(demo_command)
 main.add_command(serve_command)
+main.add_command(top_command)
+main.add_command(ls_command)
+main.add_command(limit_command)
 
 
 if __name__ == "__main__":

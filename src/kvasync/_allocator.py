@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 from . import _core, _log, _loops, _validate
-from ._backends import buffer_views, create_backend, make_fence
+from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
+from ._share import join_share
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
@@ -45,6 +46,11 @@ __all__ = ["Allocator", "open_allocator"]
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
 # What close() allows, beyond its timeout, for the unmaps that follow the mapper's join.
 _CLOSE_GRACE_S = 5.0
+# An awaited request whose map (or trim) the mapper expects to finish within this many seconds is
+# awaited by spinning for its completion, the GIL released, instead of sleeping until the loop is
+# woken: on a VM that wake-up costs 20-40 us, a third of a cold map (Note [Spinning wake-up] in
+# csrc/wakeup.h; bench/bench_map.py). The loop is held that long at most; longer work is awaited.
+_SPIN_S = 250e-6
 
 
 @dataclass
@@ -88,15 +94,19 @@ class Allocator:
         """
         _validate.instance(layout, "layout", KVLayout)
         _validate.instance(config, "config", Config)
-        _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=True)  # None: trio
+        # None only for an allocator opened under trio (open() passes it; _loops drives it).
+        trio = loop is None and _loops.current_library() == "trio"
+        _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=trio)
         self._layout = layout
         self._config = config
         self._loop = loop
         self._default_timeout = config.default_timeout  # read on the hot path
         self._zero_on_alloc = config.zero_on_alloc
-        # Note [Blocks across page boundaries] (_layout.py): the unit may be a multiple of
-        # page_size, and its blocks need not fill it.
-        page_size = layout.page_unit(config.page_size)
+        self._spin_s = _SPIN_S
+        # Note [Blocks across page boundaries] (_layout.py): the unit may be a multiple of the
+        # configured (or default) page size, and its blocks need not fill it.
+        page_size = layout.page_unit(page_size_for(layout, config))
+        self._page_size = page_size
         num_pages = -(-config.max_blocks * layout.range_block_bytes // page_size)
         self._page_bytes = page_size * layout.num_ranges
         self._num_pages = num_pages
@@ -112,6 +122,7 @@ class Allocator:
             config.default_timeout,
             block_bytes=layout.range_block_bytes,
             page_bytes=page_size,
+            share=join_share(config, self._backend, self._page_bytes),
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
@@ -277,7 +288,7 @@ class Allocator:
 
     # -- memory -----------------------------------------------------------------------------
 
-    async def trim(self, *, timeout: float | None = None) -> None:
+    async def trim(self, *, timeout: float | None = None, release_handles: bool = True) -> None:
         """Unmaps every mapped-free page now and waits until the memory is given back.
 
         When it returns, no page is mapped and free unless a request mapped it since (or a
@@ -287,6 +298,9 @@ class Allocator:
 
         Args:
             timeout: seconds to wait for the unmaps; ``default_timeout`` when None.
+            release_handles: (cuda) also release the pooled physical handles. False keeps up to
+                the reserve's high watermark of them, still allocated on the device, so that the
+                next map skips cuMemCreate (and this trim skips cuMemRelease).
 
         Raises:
             TypeError: ``timeout`` is not a number (or is a bool).
@@ -296,7 +310,7 @@ class Allocator:
             AllocatorClosed: the allocator is closed.
         """
         due = self._deadline(timeout, None)
-        request = self._pool.trim(self._pool_deadline(due))
+        request = self._pool.trim(self._pool_deadline(due), release_handles)
         if request:
             await self._wait(request, due, "trim")
 
@@ -433,6 +447,11 @@ class Allocator:
     def num_blocks(self) -> int:
         """Virtual capacity in blocks; block ids are ``range(num_blocks)``."""
         return self._config.max_blocks
+
+    @property
+    def page_size(self) -> int:
+        """The unit of mapping in use: bytes of each virtual range that one page id maps."""
+        return self._page_size
 
     @property
     def layout(self) -> KVLayout:
@@ -576,6 +595,11 @@ class Allocator:
                 "this allocator belongs to the event loop that opened it; open one allocator per "
                 "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
             )
+        if self._spin_s > 0.0:  # see _SPIN_S
+            spin = min(self._spin_s, due - loop.time())
+            record = self._pool.take_completion(request, spin) if spin > 0 else None
+            if record is not None:
+                return self._result_of(*record)
         future: asyncio.Future[list[int]] = loop.create_future()
         timer = loop.call_at(due, self._on_deadline, request)
         self._pending[request] = _Pending(future, timer, what, loop.time())
@@ -584,6 +608,16 @@ class Allocator:
         except asyncio.CancelledError:
             self._abandon(request, future)
             raise
+
+    @staticmethod
+    def _result_of(status: int, blocks: list[int], message: str) -> list[int]:
+        if status == _OK:
+            return blocks
+        if status == _MAP_ERROR:
+            raise MapError(message)
+        if status == _OUT_OF_BLOCKS:
+            raise OutOfBlocks(message)
+        raise AllocatorClosed(message or "the allocator was closed")
 
     def _abandon(self, request: int, future: asyncio.Future[list[int]]) -> None:
         # See Note [Futures and ownership].

@@ -10,7 +10,19 @@ from ._config import Config
 from ._errors import KVAsyncError
 from ._layout import KVLayout
 
-__all__ = ["buffer_views", "create_backend", "make_fence", "range_tensor", "resolve_backend"]
+__all__ = [
+    "buffer_views",
+    "create_backend",
+    "default_page_size",
+    "make_fence",
+    "page_size_for",
+    "range_tensor",
+    "resolve_backend",
+]
+
+# The host backend's unit when none is given: its cost is per byte (fallocate and populate), with
+# no per-call cost to amortise, so a small unit only makes it more elastic.
+HOST_PAGE_SIZE = 2 << 20
 
 
 _MAX_RANGE_BYTES = 2**63 - 1  # int64: the size type of every backend's range
@@ -37,38 +49,73 @@ def resolve_backend(config: Config) -> str:
     return "host" if problem is not None else "cuda"
 
 
+def default_page_size(layout: KVLayout, backend: str, granularity: int) -> int:
+    """The unit of mapping ``Config(page_size=None)`` picks, in bytes per virtual range.
+
+    On cuda the driver's cost is per physical handle, nearly independent of its size up to
+    128 MiB (DESIGN.md, "Measured limits"), so a page id holds one ``granularity`` page of every
+    layer and buffer: on the contiguous layout one handle of ``granularity * num_buffers`` bytes
+    (128 MiB for 32 layers of K and V), on the per-layer layout ``granularity`` in each range. It
+    is rounded up to hold at least one block. On host, ``HOST_PAGE_SIZE`` per range.
+
+    Args:
+        layout: the KV cache's geometry.
+        backend: "cuda" or "host".
+        granularity: the driver's allocation granularity (cuda), in bytes.
+    """
+    if backend != "cuda":
+        return HOST_PAGE_SIZE
+    unit = granularity * (layout.num_buffers if layout.contiguous else 1)
+    stride = layout.range_block_bytes
+    return max(unit, -(-stride // granularity) * granularity)
+
+
+def page_size_for(layout: KVLayout, config: Config) -> int:
+    """``config.page_size``, or the default for the backend ``config`` resolves to.
+
+    Raises:
+        KVAsyncError: the backend cannot be used here.
+    """
+    if config.page_size is not None:
+        return config.page_size
+    backend = resolve_backend(config)
+    granularity = _core.cuda_granularity(config.device) if backend == "cuda" else 0
+    return default_page_size(layout, backend, granularity)
+
+
 def create_backend(
-    layout: KVLayout, config: Config, num_pages: int, page_size: int | None = None
+    layout: KVLayout, config: Config, num_pages: int, page_size: int
 ) -> _core.Backend:
     """Reserves the virtual ranges for ``layout``, wrapped by ``config.faults`` if any.
 
-    ``page_size`` (bytes per range of a page id) defaults to ``config.page_size``.
+    ``page_size``: bytes per range of a page id (``page_size_for``, grown by
+    ``KVLayout.page_unit``).
 
     Raises:
         ValueError: the range's size does not fit in 64 bits (``max_blocks`` far too large).
         KVAsyncError: the backend cannot be used here (or cannot reserve that much).
     """
-    range_bytes = num_pages * config.page_size
+    range_bytes = num_pages * page_size
     if range_bytes > _MAX_RANGE_BYTES:
         # The backends compute this size in int64: refuse here, before any overflow there.
         raise ValueError(
             f"Config.max_blocks={config.max_blocks} needs {num_pages} pages of "
-            f"{config.page_size} bytes, a {range_bytes}-byte range per buffer, beyond 64-bit "
+            f"{page_size} bytes, a {range_bytes}-byte range per buffer, beyond 64-bit "
             "sizes; lower max_blocks"
         )
     name = resolve_backend(config)
-    page_size = config.page_size if page_size is None else page_size
     backend: _core.Backend
     if name == "host":
         backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
-        # The handle pool keeps up to the reserve's high watermark of unmapped handles.
+        # The handle pool keeps up to the reserve's high watermark of unmapped handles; none on
+        # a share, whose budget counts mapped pages only (a pooled handle is memory too).
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
             page_size,
-            config.reserve_pages[1],
+            0 if config.share is not None else config.reserve_pages[1],
             config.gpu_utilization,
         )
     if config.faults is not None:

@@ -27,11 +27,13 @@ class Config:
             page, and is bounded at 256 MiB (a larger capacity is refused with ValueError at
             open: lower max_blocks or raise page_size).
         memory_limit: bytes of physical KV memory the allocator may map; None = up to capacity.
-        page_size: the unit of mapping, in bytes, on every backend (a multiple of the driver's
-            granularity on cuda, of the OS page on host). It need not be a multiple of the
-            block: a block id across a page boundary is never handed out, and where that would
-            lose more than 1/32 of it, a page maps the smallest multiple of page_size that loses
-            less (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
+        page_size: the unit of mapping: bytes of each virtual range that one page id maps (a
+            multiple of the driver's granularity on cuda, of 4096 on host). None picks it for
+            the backend: on cuda one granularity page (2 MiB) of every layer and buffer per page
+            id, on host 2 MiB per range. It need not be a multiple of the block: a block id
+            across a page boundary is never handed out, and where that would lose more than 1/32
+            of it, a page maps the smallest multiple of page_size that loses less
+            (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
@@ -40,6 +42,14 @@ class Config:
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
         stall_warning: seconds a mapper op may run before the ``kvasync`` logger warns of it.
+        share: the name of a device share (``kvasync.ledger.default_share(device)`` for the
+            common case) that this allocator joins: allocators of every process on that share
+            keep their mapped bytes together within ``device_budget``, see each other in
+            ``kvasync top``, and take limits set with ``kvasync limit``. None: no share.
+        device_budget: bytes all allocators of the share may map together (the smallest budget
+            among them applies). None: on cuda, ``gpu_utilization`` of the device's memory; on
+            host, no budget of this allocator's own. Needs ``share``.
+        name: this allocator's name in the share's ledger; None = the program's name.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number here).
@@ -49,7 +59,7 @@ class Config:
     backend: str = "auto"
     max_blocks: int = 4096
     memory_limit: int | None = None
-    page_size: int = 2 << 20
+    page_size: int | None = None
     reserve_pages: tuple[int, int] = (1, 4)
     default_timeout: float = 5.0
     zero_on_alloc: bool = False
@@ -57,6 +67,9 @@ class Config:
     device: int = 0
     gpu_utilization: float = 0.95
     stall_warning: float = 1.0
+    share: str | None = None
+    device_budget: int | None = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
@@ -75,10 +88,12 @@ class Config:
                 "memory_limit",
                 _validate.integer(self.memory_limit, "Config.memory_limit", minimum=1),
             )
-        store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=4096))
-        if self.page_size % 4096:
+        if self.page_size is not None:
+            store("page_size", _validate.integer(self.page_size, "Config.page_size", minimum=1))
+        if self.page_size is not None and self.page_size % 4096:
             raise ValueError(
-                f"Config.page_size must be a positive multiple of 4096, got {self.page_size!r}"
+                f"Config.page_size must be None or a positive multiple of 4096, "
+                f"got {self.page_size!r}"
             )
         store("reserve_pages", self._check_reserve_pages())
         timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
@@ -97,6 +112,20 @@ class Config:
                 f"Config.gpu_utilization must be in (0, 1], got {self.gpu_utilization!r}"
             )
         store("gpu_utilization", utilization)
+        self._check_share()
+
+    def _check_share(self) -> None:
+        from ._share import check_share
+
+        if self.share is not None:
+            check_share(self.share, "Config.share")
+        if self.device_budget is not None:
+            budget = _validate.integer(self.device_budget, "Config.device_budget", minimum=1)
+            object.__setattr__(self, "device_budget", budget)
+            if self.share is None:
+                raise ValueError("Config.device_budget needs Config.share (the share it budgets)")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"Config.name must be a non-empty str or None, got {self.name!r}")
 
     def _check_reserve_pages(self) -> tuple[int, int]:
         pair = self.reserve_pages

@@ -1,0 +1,73 @@
+// Python bindings of the share ledger (csrc/ledger.h): kvasync._core.Ledger*, ShareMember.
+//
+// Every call that takes the ledger lock releases the GIL first (it waits, with a deadline).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ledger.h"
+
+namespace py = pybind11;
+using namespace kvasync;
+
+namespace {
+
+py::dict entry_dict(const EntryView& v) {
+  py::dict d;
+  d["slot"] = v.slot;
+  d["pid"] = v.pid;
+  d["serial"] = v.serial;
+  d["name"] = v.name;
+  d["committed_bytes"] = v.committed_bytes;
+  d["mapped_bytes"] = v.mapped_bytes;
+  d["reserved_bytes"] = v.reserved_bytes;
+  d["used_bytes"] = v.used_bytes;
+  d["limit_bytes"] = v.limit_bytes;
+  d["page_bytes"] = v.page_bytes;
+  d["budget_bytes"] = v.budget_bytes;
+  d["waiters"] = v.waiters;
+  d["blocked"] = v.blocked;
+  d["requested_limit"] = v.requested_limit;
+  d["op"] = v.op;
+  d["op_age_s"] = v.op_age_s;
+  return d;
+}
+
+}  // namespace
+
+void bind_ledger(py::module_& m) {
+  py::class_<ShareMember, std::shared_ptr<ShareMember>>(m, "ShareMember")
+      .def(py::init([](const std::string& path, const std::string& name, int64_t budget_bytes,
+                       int64_t page_bytes) {
+             py::gil_scoped_release release;
+             return std::make_shared<ShareMember>(Ledger::open(path, true), name, budget_bytes,
+                                                  page_bytes);
+           }),
+           py::arg("path"), py::arg("name"), py::arg("budget_bytes"), py::arg("page_bytes"));
+
+  m.def("ledger_snapshot",
+        [](const std::string& path, double timeout_s) {
+          std::vector<EntryView> views;
+          {
+            py::gil_scoped_release release;
+            views = Ledger::open(path, false)->snapshot(timeout_s);
+          }
+          py::list out;
+          for (const EntryView& v : views) out.append(entry_dict(v));
+          return out;
+        },
+        py::arg("path"), py::arg("timeout_s"));
+
+  m.def("ledger_set_limit",
+        [](const std::string& path, int32_t pid, int64_t bytes, double timeout_s) {
+          py::gil_scoped_release release;
+          return Ledger::open(path, false)->set_limit(pid, bytes, timeout_s);
+        },
+        py::arg("path"), py::arg("pid"), py::arg("bytes"), py::arg("timeout_s"));
+
+  m.def("ledger_hold_lock_for_test",
+        [](const std::string& path, double seconds) {
+          py::gil_scoped_release release;
+          return Ledger::open(path, false)->hold_lock_for(seconds);
+        },
+        py::arg("path"), py::arg("seconds"));
+}

@@ -1,0 +1,609 @@
+#include "ledger.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+
+#include "page_pool.h"
+
+namespace kvasync {
+namespace {
+
+static_assert(std::atomic<int64_t>::is_always_lock_free, "shared figures must be lock-free");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "the futex word must be lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "the futex word is 32 bits");
+
+uint64_t header_check(const LedgerHeader& h) {
+  // Not a cryptographic hash: it only tells a ledger header from other bytes.
+  uint64_t x = h.magic ^ (uint64_t{h.version} << 32 | h.header_bytes);
+  x = (x ^ h.file_bytes) * 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (uint64_t{h.num_entries} << 32 | h.entry_bytes)) * 0xbf58476d1ce4e5b9ULL;
+  return x ^ (x >> 31) ^ sizeof(pthread_mutex_t);
+}
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+timespec to_timespec(Ledger::Clock::time_point t) {
+  // steady_clock is CLOCK_MONOTONIC on Linux (libstdc++), the clock clocklock is given.
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch());
+  timespec ts;
+  ts.tv_sec = static_cast<time_t>(ns.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(ns.count() % 1000000000);
+  return ts;
+}
+
+Ledger::Clock::time_point after(double seconds) {
+  return Ledger::Clock::now() + std::chrono::duration_cast<Ledger::Clock::duration>(
+                                    std::chrono::duration<double>(std::max(seconds, 0.0)));
+}
+
+// The start time (field 22 of /proc/PID/stat) and whether the process is a zombie. Returns false
+// when the process is gone.
+bool read_process(int32_t pid, uint64_t* start_time, bool* zombie) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  if (!in || !std::getline(in, text)) return false;
+  // The command name (field 2) is in parentheses and may hold spaces: parse after the last ')'.
+  const size_t close = text.rfind(')');
+  if (close == std::string::npos) return false;
+  std::istringstream rest(text.substr(close + 1));
+  std::string field;
+  rest >> field;  // field 3: state
+  *zombie = field == "Z" || field == "X";
+  for (int index = 4; index <= 22 && rest >> field; ++index) {
+    if (index == 22) {
+      *start_time = std::strtoull(field.c_str(), nullptr, 10);
+      return true;
+    }
+  }
+  return false;
+}
+
+uint64_t own_start_time() {
+  uint64_t start = 0;
+  bool zombie = false;
+  read_process(getpid(), &start, &zombie);
+  return start;
+}
+
+bool process_alive(int32_t pid, uint64_t start_time) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  uint64_t start = 0;
+  bool zombie = false;
+  // Unreadable /proc (hidepid): trust kill(), which said the pid exists.
+  if (!read_process(pid, &start, &zombie)) return kill(pid, 0) == 0 || errno != ESRCH;
+  return !zombie && start == start_time;
+}
+
+void copy_text(char* out, size_t size, const std::string& text) {
+  const size_t n = std::min(text.size(), size - 1);
+  std::memcpy(out, text.data(), n);
+  std::memset(out + n, 0, size - n);
+}
+
+std::string read_text(const char* in, size_t size) {
+  return std::string(in, strnlen(in, size));
+}
+
+void init_file(LedgerFile* file) {
+  std::memset(static_cast<void*>(file), 0, sizeof(LedgerFile));
+  LedgerHeader& h = file->header;
+  h.magic = kLedgerMagic;
+  h.version = kLedgerVersion;
+  h.header_bytes = sizeof(LedgerHeader);
+  h.file_bytes = sizeof(LedgerFile);
+  h.num_entries = kLedgerEntries;
+  h.entry_bytes = sizeof(LedgerEntry);
+  h.check = header_check(h);
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+  pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+  const int rc = pthread_mutex_init(&h.mutex, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc != 0) throw LedgerError(std::string("ledger: pthread_mutex_init: ") + strerror(rc));
+}
+
+void validate_header(const std::string& path, const LedgerHeader& h, size_t size) {
+  const std::string remove = ": stop the processes using it and remove the file";
+  if (h.magic != kLedgerMagic) {
+    throw LedgerError("the ledger file " + path + " is not a kvasync ledger (bad magic)" + remove);
+  }
+  if (h.version != kLedgerVersion) {
+    throw LedgerError("the ledger file " + path + " has layout version " +
+                      std::to_string(h.version) + "; this kvasync uses version " +
+                      std::to_string(kLedgerVersion) + remove);
+  }
+  if (h.header_bytes != sizeof(LedgerHeader) || h.entry_bytes != sizeof(LedgerEntry) ||
+      h.num_entries != kLedgerEntries || h.file_bytes != sizeof(LedgerFile) ||
+      h.check != header_check(h)) {
+    throw LedgerError("the ledger file " + path + " is corrupt (its header does not match" +
+                      " this kvasync's layout)" + remove);
+  }
+  if (size < sizeof(LedgerFile)) {
+    throw LedgerError("the ledger file " + path + " is truncated (" + std::to_string(size) +
+                      " bytes, expected " + std::to_string(sizeof(LedgerFile)) + ")" + remove);
+  }
+}
+
+// Creates the file complete under a temporary name, then links it into place: nobody ever maps a
+// half-initialised ledger, and of two processes creating it at once one wins, the other opens it.
+void create_file(const std::string& path) {
+  std::random_device random;
+  const std::string temp = path + ".tmp." + std::to_string(getpid()) + "." +
+                           std::to_string(random());
+  const int fd = ::open(temp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    throw LedgerError("cannot create the ledger file " + temp + ": " + strerror(errno));
+  }
+  std::string error;
+  if (ftruncate(fd, sizeof(LedgerFile)) != 0) {
+    error = std::string("ftruncate: ") + strerror(errno);
+  } else {
+    void* data = mmap(nullptr, sizeof(LedgerFile), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (data == MAP_FAILED) {
+      error = std::string("mmap: ") + strerror(errno);
+    } else {
+      try {
+        init_file(static_cast<LedgerFile*>(data));
+      } catch (const LedgerError& e) {
+        error = e.what();
+      }
+      munmap(data, sizeof(LedgerFile));
+    }
+  }
+  ::close(fd);
+  if (error.empty() && link(temp.c_str(), path.c_str()) != 0 && errno != EEXIST) {
+    error = std::string("link: ") + strerror(errno);
+  }
+  unlink(temp.c_str());
+  if (!error.empty()) throw LedgerError("cannot create the ledger file " + path + ": " + error);
+}
+
+std::mutex& open_ledgers_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::map<std::string, std::weak_ptr<Ledger>>& open_ledgers() {
+  static auto* ledgers = new std::map<std::string, std::weak_ptr<Ledger>>();  // never destroyed
+  return *ledgers;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Ledger
+
+std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
+  // One mapping per file and process: the robust-mutex machinery knows a lock by its address.
+  std::lock_guard<std::mutex> guard(open_ledgers_mutex());
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (auto existing = open_ledgers()[path].lock()) {
+    // The same file still (not one removed and made anew under the same name): share it.
+    struct stat now;
+    if (fd >= 0 && fstat(fd, &now) == 0 && now.st_dev == existing->device_ &&
+        now.st_ino == existing->inode_) {
+      ::close(fd);
+      return existing;
+    }
+  }
+  if (fd < 0 && errno == ENOENT && create) {
+    create_file(path);
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  }
+  if (fd < 0) {
+    throw LedgerError("cannot open the ledger file " + path + ": " + strerror(errno) +
+                      (errno == ENOENT ? " (no allocator has joined this share)" : ""));
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const std::string why = strerror(errno);
+    ::close(fd);
+    throw LedgerError("cannot stat the ledger file " + path + ": " + why);
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  if (size < sizeof(LedgerHeader)) {
+    ::close(fd);
+    throw LedgerError("the ledger file " + path + " is truncated (" + std::to_string(size) +
+                      " bytes, expected " + std::to_string(sizeof(LedgerFile)) +
+                      "): stop the processes using it and remove the file");
+  }
+  // Map only what the file holds, so that reading a short file cannot fault.
+  const size_t mapped = std::min(size, sizeof(LedgerFile));
+  void* data = mmap(nullptr, sizeof(LedgerFile), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_error = errno;
+  ::close(fd);
+  if (data == MAP_FAILED) {
+    throw LedgerError("cannot map the ledger file " + path + ": " + strerror(map_error));
+  }
+  auto* file = static_cast<LedgerFile*>(data);
+  try {
+    validate_header(path, file->header, mapped);
+  } catch (...) {
+    munmap(data, sizeof(LedgerFile));
+    throw;
+  }
+  std::shared_ptr<Ledger> ledger(new Ledger(path, file));
+  ledger->device_ = st.st_dev;
+  ledger->inode_ = st.st_ino;
+  open_ledgers()[path] = ledger;
+  return ledger;
+}
+
+Ledger::Ledger(std::string path, LedgerFile* file) : path_(std::move(path)), file_(file) {}
+
+Ledger::~Ledger() { munmap(file_, sizeof(LedgerFile)); }
+
+bool Ledger::lock(Clock::time_point deadline) noexcept {
+  const timespec until = to_timespec(deadline);
+  const int rc = pthread_mutex_clocklock(&file_->header.mutex, CLOCK_MONOTONIC, &until);
+  if (rc == 0) return true;
+  if (rc == ETIMEDOUT) return false;
+  if (rc == EOWNERDEAD) {
+    // The previous holder died holding it. Its half-done work can only be its own entry's
+    // figures or a join in progress: reclaiming dead entries repairs both.
+    pthread_mutex_consistent(&file_->header.mutex);
+    file_->header.repairs.fetch_add(1);
+    reclaim_dead_locked();
+    return true;
+  }
+  // Never thrown from here: lock() runs under the pool's mutex and on the mapper's and watcher's
+  // threads. An unusable lock refuses every grant (the waiters time out) and is reported by
+  // snapshot(), set_limit() and joining (lock_failure()).
+  lock_error_.store(rc);
+  return false;
+}
+
+std::string Ledger::lock_failure(double timeout_s) const {
+  const int error = lock_error_.load();
+  if (error != 0) {
+    return "the ledger lock of " + path_ + " is unusable (" + strerror(error) +
+           "): stop the processes using it and remove the file";
+  }
+  return "the ledger lock of " + path_ + " stayed taken for " + std::to_string(timeout_s) + " s";
+}
+
+void Ledger::unlock() { pthread_mutex_unlock(&file_->header.mutex); }
+
+int Ledger::reclaim_dead_locked() {
+  int reclaimed = 0;
+  const int32_t self = getpid();
+  static const uint64_t self_start = own_start_time();
+  for (LedgerEntry& e : file_->entries) {
+    if (e.state.load() == 0) continue;
+    const int32_t pid = e.pid.load();
+    // This process's own entries are alive; an entry with its pid but another start time is an
+    // earlier process's (pids are reused, in containers especially).
+    if (pid == self && e.start_time.load() == self_start) continue;
+    if (pid != self && process_alive(pid, e.start_time.load())) continue;
+    e.committed_bytes.store(0);
+    e.blocked.store(0);
+    e.waiters.store(0);
+    e.state.store(0);
+    ++reclaimed;
+  }
+  if (reclaimed > 0) notify();  // its memory is free for the others now
+  return reclaimed;
+}
+
+int64_t Ledger::budget_locked() const {
+  int64_t budget = INT64_MAX;
+  for (const LedgerEntry& e : file_->entries) {
+    const int64_t own = e.budget_bytes.load();
+    if (e.state.load() == 1 && own > 0) budget = std::min(budget, own);
+  }
+  return budget;
+}
+
+std::vector<EntryView> Ledger::snapshot(double timeout_s) {
+  if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  std::vector<EntryView> out;
+  std::string corrupt;
+  reclaim_dead_locked();
+  const int64_t now = monotonic_ns();
+  for (int slot = 0; slot < kLedgerEntries && corrupt.empty(); ++slot) {
+    LedgerEntry& e = file_->entries[slot];
+    const uint32_t state = e.state.load();
+    if (state > 1) corrupt = "entry " + std::to_string(slot) + " has state " + std::to_string(state);
+    if (state != 1) continue;
+    EntryView v;
+    v.slot = slot;
+    v.pid = e.pid.load();
+    v.serial = e.serial.load();
+    v.name = read_text(e.name, sizeof e.name);
+    v.committed_bytes = e.committed_bytes.load();
+    v.mapped_bytes = e.mapped_bytes.load();
+    v.reserved_bytes = e.reserved_bytes.load();
+    v.used_bytes = e.used_bytes.load();
+    v.limit_bytes = e.limit_bytes.load();
+    v.page_bytes = e.page_bytes.load();
+    v.budget_bytes = e.budget_bytes.load();
+    v.waiters = e.waiters.load();
+    v.blocked = e.blocked.load();
+    v.requested_limit = e.requested_limit.load();
+    // A torn read of `op` (its owner writing it meanwhile) is retried a few times, then shown.
+    for (int attempt = 0; attempt < 8; ++attempt) {
+      const uint32_t before = e.op_generation.load(std::memory_order_acquire);
+      v.op = read_text(e.op, sizeof e.op);
+      const int64_t started = e.op_started_ns.load();
+      v.op_age_s = started > 0 ? std::max<int64_t>(0, now - started) / 1e9 : 0.0;
+      if (before % 2 == 0 && e.op_generation.load(std::memory_order_acquire) == before) break;
+    }
+    if (v.pid <= 0 || v.committed_bytes < 0 || v.mapped_bytes < 0 || v.reserved_bytes < 0 ||
+        v.used_bytes < 0 || v.page_bytes <= 0 || v.budget_bytes < 0 || v.waiters < 0) {
+      corrupt = "entry " + std::to_string(slot) + " holds impossible figures (pid " +
+                std::to_string(v.pid) + ", committed " + std::to_string(v.committed_bytes) +
+                ", page " + std::to_string(v.page_bytes) + " bytes)";
+    }
+    out.push_back(std::move(v));
+  }
+  unlock();
+  if (!corrupt.empty()) {
+    throw LedgerError("the ledger file " + path_ + " is corrupt: " + corrupt +
+                      ": stop the processes using it and remove the file");
+  }
+  return out;
+}
+
+int Ledger::set_limit(int32_t pid, int64_t bytes, double timeout_s) {
+  if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  reclaim_dead_locked();
+  int count = 0;
+  std::string too_small;
+  for (LedgerEntry& e : file_->entries) {
+    if (e.state.load() != 1 || e.pid.load() != pid) continue;
+    if (bytes != 0 && bytes < e.page_bytes.load()) {
+      too_small = std::to_string(e.page_bytes.load());
+      continue;
+    }
+    e.requested_limit.store(bytes);
+    e.limit_generation.fetch_add(1, std::memory_order_release);
+    ++count;
+  }
+  unlock();
+  if (!too_small.empty() && count == 0) {
+    throw std::invalid_argument("limit: " + std::to_string(bytes) +
+                                " bytes is below one page of process " + std::to_string(pid) +
+                                "'s allocator (" + too_small + " bytes)");
+  }
+  notify();  // the watchers apply it now, not at their next tick
+  return count;
+}
+
+void Ledger::notify() {
+  file_->header.release_seq.fetch_add(1, std::memory_order_acq_rel);
+  syscall(SYS_futex, &file_->header.release_seq, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+void Ledger::wait(uint32_t seen, std::chrono::nanoseconds timeout) {
+  // A relative timeout: FUTEX_WAIT measures it on CLOCK_MONOTONIC. Returns early when the word
+  // already moved (EAGAIN), when woken, or on a signal; the caller re-checks either way.
+  timespec rel;
+  rel.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  rel.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  syscall(SYS_futex, &file_->header.release_seq, FUTEX_WAIT, seen, &rel, nullptr, 0);
+}
+
+bool Ledger::hold_lock_for(double seconds) {
+  if (!lock(after(1.0))) return false;
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  unlock();
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ShareMember
+
+ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name,
+                         int64_t budget_bytes, int64_t page_bytes)
+    : ledger_(std::move(ledger)), page_bytes_(page_bytes) {
+  if (page_bytes <= 0) throw std::invalid_argument("page_bytes must be positive");
+  if (budget_bytes < 0) throw std::invalid_argument("device_budget must not be negative");
+  if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout * 5)) {
+    throw LedgerError("cannot join the share: " + ledger_->lock_failure(1.0));
+  }
+  ledger_->reclaim_dead_locked();
+  for (int slot = 0; slot < kLedgerEntries; ++slot) {
+    if (ledger_->file().entries[slot].state.load() == 0) {
+      slot_ = slot;
+      break;
+    }
+  }
+  if (slot_ < 0) {
+    ledger_->unlock();
+    throw LedgerError("the ledger " + ledger_->path() + " is full (" +
+                      std::to_string(kLedgerEntries) + " allocators)");
+  }
+  LedgerEntry& e = entry();
+  serial_ = ledger_->file().header.next_serial.fetch_add(1) + 1;
+  e.pid.store(getpid());
+  e.start_time.store(own_start_time());
+  e.serial.store(serial_);
+  copy_text(e.name, sizeof e.name, name);
+  e.committed_bytes.store(0);
+  e.mapped_bytes.store(0);
+  e.reserved_bytes.store(0);
+  e.used_bytes.store(0);
+  e.limit_bytes.store(0);
+  e.page_bytes.store(page_bytes);
+  e.budget_bytes.store(budget_bytes);
+  e.waiters.store(0);
+  e.blocked.store(0);
+  e.requested_limit.store(-1);
+  seen_limit_generation_ = e.limit_generation.load();
+  e.op_started_ns.store(0);
+  copy_text(e.op, sizeof e.op, "");
+  e.state.store(1, std::memory_order_release);  // last: the entry is whole before it counts
+  ledger_->unlock();
+}
+
+ShareMember::~ShareMember() {
+  if (thread_.joinable()) thread_.detach();  // only when the watcher itself drops the last ref
+  leave();
+}
+
+void ShareMember::start(std::weak_ptr<PagePool> pool) {
+  thread_ = std::thread(&ShareMember::run, shared_from_this(), std::move(pool));
+}
+
+void ShareMember::stop(double timeout_s) {
+  stopping_ = true;
+  ledger_->notify();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+    if (exited_.wait_for(std::chrono::duration<double>(std::max(timeout_s, 0.5)))) {
+      thread_.join();
+    } else {
+      thread_.detach();  // ends by itself at its next tick; it publishes nothing after stopping_
+    }
+  }
+  leave();
+}
+
+void ShareMember::leave() {
+  if (left_.exchange(true)) return;
+  LedgerEntry& e = entry();
+  // Without the lock if it stays taken: clearing its own entry is atomic stores, and a slot
+  // freed under a lock holder's scan is at worst reclaimed twice.
+  const bool locked = ledger_->lock(Clock::now() + Ledger::kLockTimeout);
+  e.committed_bytes.store(0);
+  e.blocked.store(0);
+  e.waiters.store(0);
+  e.state.store(0, std::memory_order_release);
+  if (locked) ledger_->unlock();
+  ledger_->notify();
+}
+
+int64_t ShareMember::grant(int64_t pages, bool refill) noexcept {
+  if (pages <= 0 || left_) return 0;
+  if (!ledger_->lock(Clock::now() + kGrantLockTimeout)) return 0;  // the watcher retries
+  ledger_->reclaim_dead_locked();
+  int64_t total = 0;
+  bool others_blocked = false;
+  for (const LedgerEntry& e : ledger_->file().entries) {
+    if (e.state.load() != 1) continue;
+    total += e.committed_bytes.load();
+    if (&e != &entry() && e.blocked.load() > 0) others_blocked = true;
+  }
+  // Signed: a share already past its budget (a budget lowered by a newcomer) has no headroom.
+  int64_t headroom = ledger_->budget_locked() == INT64_MAX ? INT64_MAX
+                                                          : ledger_->budget_locked() - total;
+  // A refill is an optimisation: it never takes memory another allocator is waiting for.
+  if (refill && others_blocked) headroom = 0;
+  const int64_t granted = std::clamp<int64_t>(headroom / page_bytes_, 0, pages);
+  entry().committed_bytes.fetch_add(granted * page_bytes_);
+  ledger_->unlock();
+  return granted;
+}
+
+void ShareMember::release(int64_t pages) {
+  if (pages > 0 && !left_) entry().committed_bytes.fetch_sub(pages * page_bytes_);
+}
+
+void ShareMember::set_blocked(int64_t waiters) {
+  if (left_) return;
+  const int64_t before = entry().blocked.exchange(waiters);
+  // Newly short of budget: wake the others now, so that they give back their reserves.
+  if (before == 0 && waiters > 0) ledger_->notify();
+}
+
+bool ShareMember::blocked() const { return !left_ && entry().blocked.load() > 0; }
+
+std::string ShareMember::describe_budget() const {
+  int64_t total = 0, others = 0, budget = INT64_MAX;
+  for (const LedgerEntry& e : ledger_->file().entries) {
+    if (e.state.load() != 1) continue;
+    total += e.committed_bytes.load();
+    if (&e != &entry()) ++others;
+    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
+  }
+  std::ostringstream out;
+  out << "the share's device budget";
+  if (budget != INT64_MAX) out << " of " << budget << " bytes";
+  out << " is taken (" << total << " bytes committed by " << others + 1
+      << " allocator(s), this one " << entry().committed_bytes.load()
+      << "): waiting for memory to be released (" << ledger_->path() << ")";
+  return out.str();
+}
+
+void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit,
+                          int64_t waiters, const std::string& op, double op_age_s) {
+  if (left_ || stopping_) return;
+  LedgerEntry& e = entry();
+  e.mapped_bytes.store(mapped, std::memory_order_relaxed);
+  e.reserved_bytes.store(reserved, std::memory_order_relaxed);
+  e.used_bytes.store(used, std::memory_order_relaxed);
+  e.limit_bytes.store(limit, std::memory_order_relaxed);
+  e.waiters.store(waiters, std::memory_order_relaxed);
+  if (read_text(e.op, sizeof e.op) != op) {
+    e.op_generation.fetch_add(1, std::memory_order_acq_rel);  // odd: writing
+    copy_text(e.op, sizeof e.op, op);
+    e.op_generation.fetch_add(1, std::memory_order_acq_rel);
+  }
+  e.op_started_ns.store(op.empty() ? 0 : monotonic_ns() - static_cast<int64_t>(op_age_s * 1e9));
+}
+
+int64_t ShareMember::take_requested_limit() {
+  const uint32_t generation = entry().limit_generation.load(std::memory_order_acquire);
+  if (generation == seen_limit_generation_) return -1;
+  seen_limit_generation_ = generation;
+  return entry().requested_limit.load();
+}
+
+void ShareMember::refresh_pressure() {
+  bool others_blocked = false;
+  for (const LedgerEntry& e : ledger_->file().entries) {
+    if (e.state.load() == 1 && &e != &entry() && e.blocked.load() > 0) others_blocked = true;
+  }
+  pressure_.store(others_blocked, std::memory_order_relaxed);
+}
+
+void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool> weak) {
+  auto last_reclaim = Clock::now();
+  while (!self->stopping_.load()) {
+    const uint32_t seen = self->ledger_->seq();
+    if (Clock::now() - last_reclaim >= kReclaimEvery) {
+      // Dead processes' shares come back within kReclaimEvery + kTick even when nobody maps.
+      last_reclaim = Clock::now();
+      if (self->ledger_->lock(Clock::now() + Ledger::kLockTimeout)) {
+        self->ledger_->reclaim_dead_locked();
+        self->ledger_->unlock();
+      }
+    }
+    self->refresh_pressure();
+    {
+      std::shared_ptr<PagePool> pool = weak.lock();
+      if (!pool) break;
+      try {
+        pool->on_share_tick(*self);
+      } catch (const std::exception&) {
+        // A closed pool (or a ledger lock that stayed taken): nothing to do until stop().
+      }
+    }
+    if (self->stopping_.load()) break;
+    self->ledger_->wait(seen, kTick);
+  }
+  self->exited_.notify();
+}
+
+}  // namespace kvasync

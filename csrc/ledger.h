@@ -1,0 +1,241 @@
+// Ledger: one device's memory budget shared by allocators in several processes.
+//
+// Note [Share ledger]
+// ~~~~~~~~~~~~~~~~~~~
+// Rationale: co-located engines each map pages from one device. Without a common account, each
+// sees only its own limit, and a second engine starting next to a busy first one races it for the
+// driver's memory (seed 001). The ledger is that account: a file in /dev/shm, mapped by every
+// allocator of the share, with one entry per allocator.
+//
+// Approach: an entry's `committed_bytes` counts the pages its pool has claimed for mapping, has
+// mapped, or is unmapping. A pool *charges* pages to its entry before it queues their map
+// (ShareMember::grant, under the ledger lock: the sum of every live entry plus the charge must
+// stay within the share's budget, the smallest `budget_bytes` of the live entries) and releases
+// them when they are unmapped again (an atomic subtraction, no lock). So a map that would take the
+// share past its budget never reaches the backend: the pool's waiter waits, with its deadline,
+// exactly as at its own memory limit. A refill of the reserve is granted only real headroom: none
+// while another allocator of the share has a request short of budget.
+//
+// Wake-ups: every release bumps `release_seq` in the header and FUTEX_WAKEs it (a non-private
+// futex: it works across processes mapping the file). Each allocator has a watcher thread
+// (ShareMember) blocked in FUTEX_WAIT on that word with a timeout (kTick), never busy: woken, it
+// re-plans its pool's maps, applies a limit set from outside, gives its reserve back while
+// another allocator is short of budget, and publishes its figures into its entry.
+//
+// Dead processes: an entry's owner is identified by pid *and* the process's start time (from
+// /proc, against pid reuse); an entry whose process is gone (no such pid, a zombie, or another
+// start time) is reclaimed under the lock at the next grant or snapshot, and by every watcher at
+// least every kReclaimEvery. The lock is a robust process-shared mutex, always taken with a
+// deadline (pthread_mutex_clocklock on CLOCK_MONOTONIC); a holder that died leaves EOWNERDEAD to
+// the next taker, which marks it consistent and reclaims dead entries (the only state a holder
+// can leave half-written is its own entry, and it is dead).
+//
+// Invariants:
+//   - Only its owner changes an entry's figures; other processes change only `requested_limit`
+//     (+ `limit_generation`), and the lock holder frees the entries of dead processes.
+//   - Every figure is an std::atomic that is always lock-free (address-free across processes).
+//   - The layout carries a magic, a version, its sizes and a check word; a file that does not
+//     match is refused with a LedgerError (KVAsyncError in Python), never used.
+//
+// Limitations: a ledger file truncated *while* processes have it mapped makes their next access
+// fault (SIGBUS); a truncated or corrupt file found at open is refused cleanly.
+//
+// lock order: PagePool::mutex_ -> Ledger lock. Nothing waits on the pool while holding the ledger.
+#pragma once
+
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "errors.h"
+#include "wakeup.h"
+
+namespace kvasync {
+
+class PagePool;
+
+// A ledger that cannot be used: missing rights, a corrupt or incompatible file, a lock that stays
+// taken past its deadline. Crosses into Python as KVAsyncError.
+struct LedgerError : BackendError {
+  using BackendError::BackendError;
+};
+
+constexpr uint64_t kLedgerMagic = 0x3152474445'4c4b56ULL;  // "VKLEDGR1" read little-endian
+constexpr uint32_t kLedgerVersion = 1;
+constexpr int kLedgerEntries = 64;
+constexpr int kLedgerNameBytes = 64;
+constexpr int kLedgerOpBytes = 64;
+
+struct alignas(64) LedgerEntry {
+  std::atomic<uint32_t> state;  // 0 free, 1 live
+  std::atomic<int32_t> pid;
+  std::atomic<uint64_t> start_time;  // the owner's start time (/proc/PID/stat field 22)
+  std::atomic<uint64_t> serial;      // unique per join: tells two allocators of one process apart
+  char name[kLedgerNameBytes];
+  std::atomic<int64_t> committed_bytes;  // charged against the budget (Note [Share ledger])
+  std::atomic<int64_t> mapped_bytes;
+  std::atomic<int64_t> reserved_bytes;
+  std::atomic<int64_t> used_bytes;
+  std::atomic<int64_t> limit_bytes;  // the limit in force
+  std::atomic<int64_t> page_bytes;
+  std::atomic<int64_t> budget_bytes;  // this allocator's device_budget (0 = none of its own)
+  std::atomic<int64_t> waiters;
+  std::atomic<int64_t> blocked;  // waiters short of the share's budget
+  std::atomic<int64_t> requested_limit;  // set from outside: bytes, or 0 = back to configured
+  std::atomic<uint32_t> limit_generation;
+  std::atomic<uint32_t> op_generation;  // odd while `op` is being written
+  std::atomic<int64_t> op_started_ns;   // CLOCK_MONOTONIC, 0 when idle
+  char op[kLedgerOpBytes];
+};
+
+struct LedgerHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t header_bytes;
+  uint64_t file_bytes;
+  uint32_t num_entries;
+  uint32_t entry_bytes;
+  uint64_t check;  // mixes the words above: a header overwritten with other data is refused
+  alignas(64) pthread_mutex_t mutex;
+  alignas(64) std::atomic<uint32_t> release_seq;  // the futex word (Note [Share ledger])
+  std::atomic<uint64_t> next_serial;
+  std::atomic<uint64_t> repairs;  // lock holders found dead
+};
+
+struct LedgerFile {
+  LedgerHeader header;
+  LedgerEntry entries[kLedgerEntries];
+};
+
+// One allocator's entry as read by snapshot().
+struct EntryView {
+  int slot;
+  int32_t pid;
+  uint64_t serial;
+  std::string name;
+  int64_t committed_bytes, mapped_bytes, reserved_bytes, used_bytes, limit_bytes, page_bytes,
+      budget_bytes, waiters, blocked, requested_limit;
+  std::string op;
+  double op_age_s;
+};
+
+// One mapping of a ledger file. One per path and process (Ledger::open shares them).
+class Ledger {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kLockTimeout = std::chrono::milliseconds(200);
+
+  // Opens the file at `path`, creating it when `create` and it is missing.
+  // Throws LedgerError when it cannot be used.
+  static std::shared_ptr<Ledger> open(const std::string& path, bool create);
+  ~Ledger();
+  Ledger(const Ledger&) = delete;
+  Ledger& operator=(const Ledger&) = delete;
+
+  const std::string& path() const { return path_; }
+  LedgerFile& file() { return *file_; }
+
+  // The lock, taken with a deadline. Returns false at the deadline (or when the lock is unusable:
+  // lock_failure() says which). A dead holder is repaired. Never throws.
+  bool lock(Clock::time_point deadline) noexcept;
+  void unlock();
+  std::string lock_failure(double timeout_s) const;
+
+  // Lock held. Frees the entries of processes that are gone; returns how many.
+  int reclaim_dead_locked();
+  // The share's budget: the smallest budget of the live entries, or INT64_MAX when none has one.
+  int64_t budget_locked() const;
+
+  // Every live entry (reclaiming dead ones first). Throws LedgerError when an entry is corrupt or
+  // the lock stays taken past `timeout_s`.
+  std::vector<EntryView> snapshot(double timeout_s);
+  // Sets the limit of every allocator of process `pid`; returns how many. 0 bytes = back to the
+  // configured limit.
+  int set_limit(int32_t pid, int64_t bytes, double timeout_s);
+
+  void notify();  // a release: bump the futex word and wake every watcher
+  uint32_t seq() const { return file_->header.release_seq.load(std::memory_order_acquire); }
+  // FUTEX_WAIT until the word moves from `seen`, or `timeout` passes.
+  void wait(uint32_t seen, std::chrono::nanoseconds timeout);
+
+  // Test hook: takes the lock and keeps it for `seconds` (a process killed meanwhile dies holding
+  // it). Returns false when the lock could not be taken.
+  bool hold_lock_for(double seconds);
+
+ private:
+  Ledger(std::string path, LedgerFile* file);
+
+  std::string path_;
+  LedgerFile* file_;
+  uint64_t device_ = 0, inode_ = 0;  // the file mapped, to tell it from a newer one at path_
+  std::atomic<int> lock_error_{0};    // the last error that made the lock unusable
+};
+
+// One allocator's membership of a share: its entry and its watcher thread.
+class ShareMember : public std::enable_shared_from_this<ShareMember> {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kTick = std::chrono::milliseconds(100);
+  static constexpr auto kReclaimEvery = std::chrono::milliseconds(250);
+  // A grant runs under the pool's mutex (and so may hold up an alloc): it waits for the ledger
+  // lock only briefly; when that fails, the watcher's next tick plans the map again.
+  static constexpr auto kGrantLockTimeout = std::chrono::milliseconds(50);
+
+  // Joins: takes a free entry. Throws LedgerError when the ledger is full or unusable.
+  ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name, int64_t budget_bytes,
+              int64_t page_bytes);
+  ~ShareMember();
+  ShareMember(const ShareMember&) = delete;
+  ShareMember& operator=(const ShareMember&) = delete;
+
+  // Starts the watcher for `pool` (held weakly: the watcher never keeps a pool alive).
+  void start(std::weak_ptr<PagePool> pool);
+  // Stops the watcher (bounded) and leaves the ledger.
+  void stop(double timeout_s);
+
+  // PagePool side, its mutex held. Charges up to `pages` pages; returns how many it granted.
+  // Never throws (it runs on the mapper's thread too): a ledger it cannot lock grants nothing.
+  int64_t grant(int64_t pages, bool refill) noexcept;
+  void release(int64_t pages);  // no lock: an atomic subtraction; call notify() after a batch
+  void notify() { ledger_->notify(); }
+  void set_blocked(int64_t waiters);
+  bool blocked() const;
+  bool pressure() const { return pressure_.load(std::memory_order_relaxed); }
+  std::string describe_budget() const;
+
+  // Figures published by the watcher.
+  void publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit, int64_t waiters,
+               const std::string& op, double op_age_s);
+  // The limit requested from outside, when it changed since the last call: bytes, or 0 = back to
+  // the configured limit. -1 when unchanged.
+  int64_t take_requested_limit();
+
+  int64_t page_bytes() const { return page_bytes_; }
+  const Ledger& ledger() const { return *ledger_; }
+
+ private:
+  static void run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool> pool);
+  void leave();
+  LedgerEntry& entry() { return ledger_->file().entries[slot_]; }
+  const LedgerEntry& entry() const { return ledger_->file().entries[slot_]; }
+  void refresh_pressure();
+
+  std::shared_ptr<Ledger> ledger_;
+  int slot_ = -1;
+  uint64_t serial_ = 0;
+  int64_t page_bytes_;
+  uint32_t seen_limit_generation_ = 0;
+  std::atomic<bool> pressure_{false};  // another allocator of the share is short of budget
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> left_{false};
+  Wakeup exited_;
+  std::thread thread_;
+};
+
+}  // namespace kvasync

@@ -1,0 +1,195 @@
+"""``kvasync top``, ``kvasync ls`` and ``kvasync limit``: the share ledger from the command line.
+
+Registered on the ``kvasync`` group in ``__main__.py``. Each takes ``--share NAME`` (default: the
+``KVASYNC_SHARE`` environment variable, else ``kvasync.ledger.default_share(0)``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import click
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from . import ledger
+from ._errors import KVAsyncError
+
+__all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
+
+STALLED_AFTER_S = 1.0  # a mapper op older than this is shown as stalled
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"12GiB"``, ``"512MiB"``, ``"1.5G"`` (binary), ``"2GB"`` (decimal), ``"4096"``.
+
+    Raises:
+        ValueError: not a size, or a size below one byte.
+    """
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 12GiB, 512MiB, 1.5G, 4096)")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a size must be at least one byte, got {text!r}")
+    return value
+
+
+def format_bytes(value: int | None) -> str:
+    """``1.5 GiB``, ``512 MiB``, ``0 B``; ``-`` for None."""
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _default_share() -> str:
+    return os.environ.get("KVASYNC_SHARE") or ledger.default_share(0)
+
+
+def _share_option() -> click.Option:
+    return click.Option(
+        ["--share"],
+        default=None,
+        help="The share's name (default: $KVASYNC_SHARE, else the share of CUDA device 0).",
+    )
+
+
+def _snapshot(share: str) -> list[ledger.LedgerEntry]:
+    try:
+        return ledger.snapshot(share)
+    except (KVAsyncError, ValueError, TypeError) as error:
+        raise click.ClickException(str(error)) from error
+
+
+def _op_text(entry: ledger.LedgerEntry) -> Text:
+    if not entry.op:
+        return Text("idle", style="dim")
+    text = f"{entry.op} ({entry.op_age_s:.1f} s)"
+    return Text(text, style="bold red" if entry.op_age_s >= STALLED_AFTER_S else "")
+
+
+def render(share: str, entries: list[ledger.LedgerEntry]) -> Group:
+    """The share's table, with a line for its budget and what is committed against it."""
+    table = Table(title=f"kvasync share {share!r} ({ledger.path(share)})", expand=False)
+    for column in ("pid", "name", "used", "mapped", "reserve", "limit", "waiters", "mapper op"):
+        table.add_column(column, justify="left" if column in ("name", "mapper op") else "right")
+    for e in entries:
+        waiters = f"{e.waiters}" + (f" ({e.blocked} on budget)" if e.blocked else "")
+        table.add_row(
+            str(e.pid),
+            e.name,
+            format_bytes(e.used_bytes),
+            format_bytes(e.mapped_bytes),
+            format_bytes(e.reserved_bytes),
+            format_bytes(e.limit_bytes),
+            Text(waiters, style="yellow" if e.waiters else ""),
+            _op_text(e),
+        )
+    total = sum(e.committed_bytes for e in entries)
+    budget = ledger.budget(entries)
+    footer = f"{len(entries)} allocator(s); committed {format_bytes(total)}"
+    footer += f" of a budget of {format_bytes(budget)}" if budget else " (no budget set)"
+    return Group(table, Text(footer))
+
+
+def _summary(share: str, entries: list[ledger.LedgerEntry]) -> dict[str, object]:
+    return {
+        "share": share,
+        "path": ledger.path(share),
+        "budget_bytes": ledger.budget(entries),
+        "committed_bytes": sum(e.committed_bytes for e in entries),
+        "allocators": [e.as_dict() for e in entries],
+    }
+
+
+@click.command("ls", params=[_share_option()])
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
+def ls_command(share: str | None, as_json: bool) -> None:
+    """Lists every allocator on a device share once."""
+    name = share or _default_share()
+    entries = _snapshot(name)
+    if as_json:
+        click.echo(json.dumps(_summary(name, entries), indent=2))
+    else:
+        Console().print(render(name, entries))
+
+
+@click.command("top", params=[_share_option()])
+@click.option(
+    "--interval",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--count",
+    default=0,
+    type=click.IntRange(min=0),
+    help="Stop after this many refreshes (default: until ^C).",
+)
+def top_command(share: str | None, interval: float, count: int) -> None:
+    """Shows every allocator on a device share, refreshing until ^C."""
+    name = share or _default_share()
+    console = Console()
+    refreshes = 0
+    try:
+        with Live(render(name, _snapshot(name)), console=console, auto_refresh=False) as live:
+            while count == 0 or refreshes < count:
+                time.sleep(interval)
+                live.update(render(name, _snapshot(name)), refresh=True)
+                refreshes += 1
+    except KeyboardInterrupt:
+        pass
+
+
+def _size_argument(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error), ctx, param) from error
+
+
+@click.command("limit", params=[_share_option()])
+@click.argument("pid", type=click.IntRange(min=1))
+@click.argument("size", callback=_size_argument)
+def limit_command(share: str | None, pid: int, size: int) -> None:
+    """Sets the memory limit of process PID's allocators to SIZE (12GiB, 512MiB, ...).
+
+    The allocators apply it in the background: they stop growing above it and give back free
+    pages at once and others as blocks are freed.
+    """
+    name = share or _default_share()
+    try:
+        count = ledger.set_limit(name, pid, size)
+    except (KVAsyncError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"limit of {format_bytes(size)} set on {count} allocator(s) of process {pid}")

@@ -1,0 +1,111 @@
+"""Share names and ledger paths (csrc/ledger.h, Note [Share ledger]).
+
+Private: the allocator joins a share through here; the public face is ``kvasync.ledger``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import TYPE_CHECKING
+
+from . import _core
+
+if TYPE_CHECKING:
+    from ._config import Config
+
+__all__ = ["check_share", "default_share", "join", "join_share", "ledger_path"]
+
+LEDGER_DIR = "/dev/shm"
+_SHARE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def check_share(share: object, what: str = "share") -> str:
+    """Returns ``share`` when it is a valid share name.
+
+    Raises:
+        TypeError: ``share`` is not a str.
+        ValueError: it is not 1-100 of ``A-Z a-z 0-9 . _ -``, starting with a letter or digit.
+    """
+    if not isinstance(share, str):
+        raise TypeError(f"{what} must be a str, got {type(share).__name__}")
+    if not _SHARE_NAME.fullmatch(share):
+        raise ValueError(
+            f"{what} must be 1-100 characters of A-Z a-z 0-9 . _ - starting with a letter or "
+            f"digit, got {share!r}"
+        )
+    return share
+
+
+def ledger_path(share: str) -> str:
+    """The file in /dev/shm behind share ``share``.
+
+    Raises:
+        TypeError, ValueError: ``share`` is not a valid share name.
+    """
+    return os.path.join(LEDGER_DIR, f"kvasync-ledger.{check_share(share)}")
+
+
+def default_share(device: int | str = 0) -> str:
+    """The share name of a device, the same in every process that uses that device.
+
+    ``"host"`` for the host backend; for CUDA device ordinal ``device``, ``"cuda<N>"`` with N the
+    device's index as the machine numbers it: the ordinal is translated through
+    ``CUDA_VISIBLE_DEVICES`` (so two processes that see the same GPU under different ordinals
+    share it), or ``"cuda-<UUID>"`` when that variable names devices by UUID.
+
+    Raises:
+        ValueError: ``device`` is negative, or beyond the devices ``CUDA_VISIBLE_DEVICES`` lists.
+        TypeError: ``device`` is neither an int nor ``"host"``.
+    """
+    if device == "host":
+        return "host"
+    if type(device) is not int:
+        raise TypeError(f"device must be a CUDA ordinal (int) or 'host', got {device!r}")
+    if device < 0:
+        raise ValueError(f"device must be >= 0, got {device}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        return f"cuda{device}"
+    listed = [item.strip() for item in visible.split(",") if item.strip()]
+    if device >= len(listed):
+        raise ValueError(
+            f"device {device} is not among CUDA_VISIBLE_DEVICES={visible!r} ({len(listed)} listed)"
+        )
+    item = listed[device]
+    if item.isdigit():
+        return f"cuda{int(item)}"
+    return check_share(f"cuda-{re.sub(r'[^A-Za-z0-9._-]', '-', item)}", "device UUID")
+
+
+def default_name() -> str:
+    """An allocator's name in the ledger when its Config gives none: the program's name."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    return program or "python"
+
+
+def join(share: str, name: str, budget_bytes: int, page_bytes: int) -> _core.ShareMember:
+    """Takes an entry in the share's ledger (creating the file if needed).
+
+    Raises:
+        KVAsyncError: the ledger file is unusable (corrupt, another version, full, no rights).
+    """
+    return _core.ShareMember(ledger_path(share), name, budget_bytes, page_bytes)
+
+
+def join_share(config: Config, backend: _core.Backend, page_bytes: int) -> _core.ShareMember | None:
+    """The allocator's membership of ``config.share``, or None when it joins no share.
+
+    Raises:
+        KVAsyncError: the ledger file is unusable.
+    """
+    if config.share is None:
+        return None
+    budget = config.device_budget
+    if budget is None and backend.name == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(config.device).total_memory
+        budget = int(total * config.gpu_utilization)
+    return join(config.share, config.name or default_name(), budget or 0, page_bytes)
