@@ -80,11 +80,13 @@ async def test_a_request_that_can_never_fit_fails_with_a_clear_error() -> None:
 
 async def test_no_request_waits_past_its_deadline() -> None:
     async with open_engine(_config(max_batch=1)) as engine:
-        long = asyncio.ensure_future(engine.complete("a", max_tokens=400))
+        # NOTE: 500 decode steps take far longer than 10 ms on any machine (a fast CPU ran 400
+        # of them within 0.2 s, which an earlier version of this test took for "never").
+        long = asyncio.ensure_future(engine.complete("a", max_tokens=500))
         loop = asyncio.get_running_loop()
         start = loop.time()
         with pytest.raises(DeadlineExceeded, match="waiting for admission"):
-            await asyncio.wait_for(engine.complete("b", max_tokens=4, timeout=0.2), 10)
+            await asyncio.wait_for(engine.complete("b", max_tokens=4, timeout=0.01), 10)
         assert loop.time() - start < 2.0
         long.cancel()
         with pytest.raises(asyncio.CancelledError):
