@@ -529,6 +529,17 @@ void ShareMember::set_blocked(int64_t waiters) {
 
 bool ShareMember::blocked() const { return !left_ && entry().blocked.load() > 0; }
 
+int64_t ShareMember::fair_share_pages() const {
+  int64_t members = 0, budget = INT64_MAX;
+  for (const LedgerEntry& e : ledger_->file().entries) {
+    if (e.state.load() != 1) continue;
+    ++members;
+    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
+  }
+  if (budget == INT64_MAX || members == 0) return -1;
+  return budget / members / page_bytes_;
+}
+
 std::string ShareMember::describe_budget() const {
   int64_t total = 0, others = 0, budget = INT64_MAX;
   for (const LedgerEntry& e : ledger_->file().entries) {

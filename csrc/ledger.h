@@ -22,6 +22,18 @@
 // re-plans its pool's maps, applies a limit set from outside, gives its reserve back while
 // another allocator is short of budget, and publishes its figures into its entry.
 //
+// Note [Fair share under pressure]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The budget alone is first come, first served: an engine that holds most of it recycles its own
+// freed blocks for its next requests (the hot path needs no grant), so a co-located engine whose
+// load rises later waits for memory that never comes back (measured on the H200: fewer requests
+// within the SLO than two static halves). So while any other allocator of the share has a
+// request short of budget (`pressure`), each watcher holds its pool to a memory limit of its fair
+// share (the budget over the live allocators) when its own limit is higher: it stops growing,
+// unmaps free pages at once and gives pages back as blocks are freed (the lowered-limit path),
+// without failing its own waiters, which wait within their deadlines. When nobody waits any more,
+// the pool's own limit (configured, or set with `kvasync limit`) is restored at the next tick.
+//
 // Dead processes: an entry's owner is identified by pid *and* the process's start time (from
 // /proc, against pid reuse); an entry whose process is gone (no such pid, a zombie, or another
 // start time) is reclaimed under the lock at the next grant or snapshot, and by every watcher at
@@ -207,6 +219,9 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   void set_blocked(int64_t waiters);
   bool blocked() const;
   bool pressure() const { return pressure_.load(std::memory_order_relaxed); }
+  // Note [Fair share under pressure]: the share's budget over its live allocators, in whole
+  // pages of this one; -1 when the share has no budget. Read without the lock (atomics).
+  int64_t fair_share_pages() const;
   std::string describe_budget() const;
 
   // Figures published by the watcher.

@@ -428,7 +428,8 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
   refill_paused_ = false;  // demand again (Note [Trim])
-  const int64_t limit = limit_blocks(config_.limit_pages);
+  // Not config_.limit_pages: a fair-share limit is temporary, a request above it can still fit.
+  const int64_t limit = limit_blocks(own_limit_pages());
   if (n > usable_blocks_ || n > limit) {
     const int64_t lost = config_.num_blocks - usable_blocks_;
     throw OutOfBlocksError(
@@ -1061,13 +1062,19 @@ void PagePool::release_share(int64_t pages) {
   share_->notify();  // a waiter of another process may fit now
 }
 
-void PagePool::apply_share_limit(int64_t limit_pages) {
+int64_t PagePool::own_limit_pages() const {
+  // The limit this allocator promises: configured (or resized), or set with `kvasync limit`;
+  // never a fair-share limit (Note [Fair share under pressure]), which lasts while others wait.
+  return operator_limit_pages_ < 0 ? configured_limit_pages_ : operator_limit_pages_;
+}
+
+void PagePool::apply_share_limit(int64_t limit_pages, bool fail_too_big) {
   // As set_limit_pages, without a barrier: nobody awaits a limit set from outside.
   config_.limit_pages = limit_pages;
   const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
-    if (w.n > limit) too_big.push_back(w.id);
+    if (fail_too_big && w.n > limit) too_big.push_back(w.id);
   }
   for (int64_t id : too_big) {
     fail_waiter(id, CompletionStatus::kOutOfBlocks,
@@ -1080,11 +1087,25 @@ void PagePool::on_share_tick(ShareMember& member) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_) return;
   const int64_t requested = member.take_requested_limit();
+  const int64_t pages = static_cast<int64_t>(pages_.size());
   if (requested >= 0) {
-    const int64_t pages = static_cast<int64_t>(pages_.size());
-    apply_share_limit(requested == 0 ? configured_limit_pages_
-                                     : std::clamp<int64_t>(requested / member.page_bytes(), 1,
-                                                           pages));
+    operator_limit_pages_ =
+        requested == 0 ? -1 : std::clamp<int64_t>(requested / member.page_bytes(), 1, pages);
+    apply_share_limit(operator_limit_pages_ < 0 ? configured_limit_pages_ : operator_limit_pages_);
+  }
+  // Note [Fair share under pressure] (ledger.h): while another allocator of the share waits for
+  // budget, this one is held to its fair share, so memory it frees goes back to the share instead
+  // of to its own next request; without it, one busy engine recycles its pages forever and the
+  // other starves. Its waiters are not failed (they wait, bounded by their deadlines), and the
+  // limit comes back as soon as nobody else waits.
+  const int64_t own_limit = own_limit_pages();
+  int64_t target = own_limit;
+  if (member.pressure()) {
+    const int64_t fair = member.fair_share_pages();
+    if (fair > 0) target = std::min(own_limit, fair);
+  }
+  if (target != config_.limit_pages && (requested < 0 || target != own_limit)) {
+    apply_share_limit(target, /*fail_too_big=*/false);
   }
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();

@@ -271,7 +271,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void check_open() const;
   void charge_share(std::vector<int64_t>& pages, bool refill);
   void release_share(int64_t pages);
-  void apply_share_limit(int64_t limit_pages);
+  void apply_share_limit(int64_t limit_pages, bool fail_too_big = true);
+  int64_t own_limit_pages() const;
 
   std::shared_ptr<Backend> backend_;
   PoolConfig config_;
@@ -306,6 +307,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::shared_ptr<ShareMember> share_;  // null: no share (Note [Share ledger])
   int64_t configured_limit_pages_ = 0;   // the limit a share's "back to configured" restores
+  int64_t operator_limit_pages_ = -1;    // set with kvasync limit; -1 = none (configured)
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;

@@ -456,6 +456,38 @@ async def test_two_allocators_of_one_process_share_one_budget(share: str) -> Non
         assert sum(e.committed_bytes for e in entries) <= 4 * PAGE
 
 
+async def test_an_allocator_above_its_fair_share_gives_memory_back_to_one_short_of_budget(
+    share: str,
+) -> None:
+    # Note [Fair share under pressure]: without it, `first` recycles the blocks it frees for its
+    # own next request (they are still mapped) and `second` waits for memory that never comes.
+    config = kvasync.Config(
+        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=8 * PAGE
+    )
+    loop = asyncio.get_running_loop()
+    async with (
+        kvasync.open_allocator(LAYOUT, config) as first,
+        kvasync.open_allocator(LAYOUT, config) as second,
+    ):
+        held = await first.alloc(8 * BLOCKS_PER_PAGE)  # the whole budget, in use
+        waiting = asyncio.ensure_future(second.alloc(4 * BLOCKS_PER_PAGE, timeout=5.0))
+        # `first` is held to half the budget while `second` waits (its watcher's next tick).
+        deadline = loop.time() + 5.0
+        while first.stats().memory_limit_blocks != 4 * BLOCKS_PER_PAGE:
+            assert loop.time() < deadline, "the fair-share limit was not applied"
+            await asyncio.sleep(0.005)
+        first.free(held[: 4 * BLOCKS_PER_PAGE])
+        with pytest.raises(kvasync.WouldBlock):  # the freed pages went back to the share
+            first.alloc_nowait(4 * BLOCKS_PER_PAGE)
+        assert len(await waiting) == 4 * BLOCKS_PER_PAGE
+        assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= 8 * PAGE
+        # Nobody waits any more: `first`'s own limit comes back, and it can grow again.
+        second.free(await asyncio.wait_for(asyncio.shield(waiting), 1.0))
+        regrown = await first.alloc(4 * BLOCKS_PER_PAGE, timeout=5.0)
+        assert len(regrown) == 4 * BLOCKS_PER_PAGE
+        first.free(held[4 * BLOCKS_PER_PAGE :] + regrown)
+
+
 # -- the command line -------------------------------------------------------------------------
 
 
