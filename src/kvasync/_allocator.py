@@ -528,10 +528,16 @@ class Allocator:
         assert loop is not None  # the asyncio path; trio closes in its driver
         done: asyncio.Future[None] = loop.create_future()
 
+        # NOTE: the thread holds the pool, never the allocator: if it dropped the last reference
+        # to the allocator, its torch views would be freed on this thread, and one freed while the
+        # interpreter finalizes aborts the process (torch takes the GIL in C++, and CPython then
+        # ends the thread by a forced unwind through code that may not unwind).
+        pool = self._pool
+
         def close_pool() -> None:
             error: BaseException | None = None
             try:
-                self._pool.close(wait)
+                pool.close(wait)
             except BaseException as exc:  # delivered to the awaiting close, not lost here
                 error = exc
             # RuntimeError: the loop is closed, nobody waits for this close any more.
