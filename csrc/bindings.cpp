@@ -211,6 +211,7 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("n"), py::arg("map_on_miss") = true)
       .def("available_blocks", [](PoolHandle& pool) { return pool->available_blocks(); })
+      .def("drain_from_block", [](PoolHandle& pool) { return pool->drain_from_block(); })
       .def("take_map_seconds", [](PoolHandle& pool) { return pool->take_map_seconds(); })
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {

@@ -540,6 +540,20 @@ int64_t ShareMember::fair_share_pages() const {
   return budget / members / page_bytes_;
 }
 
+int64_t ShareMember::room_pages() const {
+  int64_t members = 0, total = 0, budget = INT64_MAX;
+  for (const LedgerEntry& e : ledger_->file().entries) {
+    if (e.state.load() != 1) continue;
+    ++members;
+    total += e.committed_bytes.load();
+    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
+  }
+  if (budget == INT64_MAX || members == 0 || left_) return INT64_MAX;
+  const int64_t unclaimed = budget - total;
+  const int64_t fair_left = budget / members - entry().committed_bytes.load();
+  return std::max<int64_t>(0, std::max(unclaimed, fair_left)) / page_bytes_;
+}
+
 std::string ShareMember::describe_budget() const {
   int64_t total = 0, others = 0, budget = INT64_MAX;
   for (const LedgerEntry& e : ledger_->file().entries) {

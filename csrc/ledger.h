@@ -31,8 +31,14 @@
 // request short of budget (`pressure`), each watcher holds its pool to a memory limit of its fair
 // share (the budget over the live allocators) when its own limit is higher: it stops growing,
 // unmaps free pages at once and gives pages back as blocks are freed (the lowered-limit path),
-// without failing its own waiters, which wait within their deadlines. When nobody waits any more,
-// the pool's own limit (configured, or set with `kvasync limit`) is restored at the next tick.
+// without failing its own waiters, which wait within their deadlines. Pages over the fair share
+// drain (Note [Drain] in page_pool.h): no block is handed out from them, and a scheduler that
+// reads drain_from_block() vacates the requests holding them, so the memory comes back within a
+// step instead of when those requests end. When nobody is short any more, the pool's own limit
+// (configured, or set with `kvasync limit`) is restored at the next tick: it can grow again only
+// into budget nobody else holds (pressure is not held longer: a member held to its fair share
+// while nobody waits would wait on its own limit with the budget free; measured, seed A). A scheduler short of budget learns what it can count on from available_blocks(),
+// which includes what is left of its fair share (ShareMember::room_pages).
 //
 // Dead processes: an entry's owner is identified by pid *and* the process's start time (from
 // /proc, against pid reuse); an entry whose process is gone (no such pid, a zombie, or another
@@ -222,6 +228,10 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // Note [Fair share under pressure]: the share's budget over its live allocators, in whole
   // pages of this one; -1 when the share has no budget. Read without the lock (atomics).
   int64_t fair_share_pages() const;
+  // The pages this allocator can count on getting: the share's free budget, or what is left of
+  // its fair share when more (the others give it back under pressure). INT64_MAX without a
+  // budget. Read without the lock (atomics): a hint for schedulers, never a grant.
+  int64_t room_pages() const;
   std::string describe_budget() const;
 
   // Figures published by the watcher.

@@ -232,7 +232,46 @@ int64_t PagePool::page_of(int64_t block) const {
 int64_t PagePool::available_to_newcomer() const {
   // See Note [Waiters]: only the waiters' demand not covered by their own maps protects blocks.
   const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming_for_waiters_);
-  return free_blocks_ - protected_blocks;
+  return usable_free_blocks() - protected_blocks;
+}
+
+bool PagePool::draining() const {
+  // Note [Drain]: only while the pool is over its limit; once within it, every page serves again.
+  return drain_from_page_ != INT64_MAX && headroom_pages() < 0;
+}
+
+int64_t PagePool::usable_free_blocks() const {
+  if (!draining()) return free_blocks_;
+  int64_t draining_free = 0;
+  for (int64_t page = with_free_.last(); page >= drain_from_page_;
+       page = with_free_.prev(page - 1)) {
+    draining_free += static_cast<int64_t>(pages_[page].free_slots.size());
+  }
+  return free_blocks_ - draining_free;
+}
+
+void PagePool::plan_drain() {
+  // Note [Drain]: the pages over the limit (less those already unmapping), highest first:
+  // allocation packs into the lowest pages, so these hold the fewest (and youngest) blocks.
+  drain_from_page_ = INT64_MAX;
+  int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  for (int64_t page = static_cast<int64_t>(pages_.size()) - 1; page >= 0 && over > 0; --page) {
+    const PageState state = pages_[page].state;
+    if (state == PageState::kUnmapped || state == PageState::kUnmapping) continue;
+    drain_from_page_ = page;
+    --over;
+  }
+}
+
+std::vector<int64_t> PagePool::free_draining_pages(int64_t max_pages) const {
+  std::vector<int64_t> pages;
+  if (!draining()) return pages;
+  for (int64_t page = reserve_.last();
+       page >= drain_from_page_ && static_cast<int64_t>(pages.size()) < max_pages;
+       page = reserve_.prev(page - 1)) {
+    pages.push_back(page);
+  }
+  return pages;
 }
 
 int64_t PagePool::reserve_kept_pages(Clock::time_point now) const {
@@ -354,10 +393,12 @@ void PagePool::push_job(Job job) {
 // Planning (mutex_ held)
 
 void PagePool::serve_waiters() {
-  while (!waiters_.empty() && waiters_.front().n <= free_blocks_) {
+  int64_t usable = usable_free_blocks();  // Note [Drain]: never from draining pages
+  while (!waiters_.empty() && waiters_.front().n <= usable) {
     const Waiter waiter = waiters_.front();
     waiters_.pop_front();
     waiting_blocks_ -= waiter.n;
+    usable -= waiter.n;
     completions_.push({waiter.id, CompletionStatus::kOk, take_blocks(waiter.n), {}});
   }
 }
@@ -365,7 +406,7 @@ void PagePool::serve_waiters() {
 void PagePool::plan_maps() {
   if (share_ && waiters_.empty()) share_->set_blocked(0);
   if (waiters_.empty() || closed_) return;
-  const int64_t deficit = waiting_blocks_ - free_blocks_ - incoming_for_waiters_;
+  const int64_t deficit = waiting_blocks_ - usable_free_blocks() - incoming_for_waiters_;
   const int64_t headroom = headroom_pages();
   if (deficit > 0 && headroom <= 0) {
     // NOTE: the last page may hold fewer blocks than the others, yet it costs a whole page of
@@ -408,10 +449,18 @@ void PagePool::plan_refill() {
 }
 
 void PagePool::plan_unmaps() {
-  if (!waiters_.empty() || closed_) return;  // free blocks go to waiters first
-  const int64_t reserve = count_[(int)PageState::kFree];
+  if (closed_) return;
   // Pages mapped beyond a lowered limit, less those already on their way out.
   const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  if (!waiters_.empty()) {
+    // Free blocks go to waiters first, except those of draining pages (Note [Drain]).
+    std::vector<int64_t> pages = free_draining_pages(over_limit);
+    if (!pages.empty()) {
+      push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
+    }
+    return;
+  }
+  const int64_t reserve = count_[(int)PageState::kFree];
   // Another allocator of the share short of budget: the whole reserve goes back to it.
   const int64_t keep = share_ && share_->pressure() ? 0 : reserve_kept_pages(Clock::now());
   const int64_t excess = std::min(reserve, std::max(reserve - keep, over_limit));
@@ -504,13 +553,23 @@ int64_t PagePool::available_blocks() const {
   // NOTE: a refill counts whole pages: a short last page being refilled overstates it slightly.
   const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
   const int64_t unmapped = static_cast<int64_t>(count_[(int)PageState::kUnmapped]);
-  const int64_t mappable = std::clamp<int64_t>(headroom_pages(), 0, unmapped);
-  int64_t blocks = free_blocks_ + incoming_for_waiters_ + refill_pages_ * bpp + mappable * bpp;
+  int64_t mappable = std::clamp<int64_t>(headroom_pages(), 0, unmapped);
+  // In a share, only what its budget leaves this pool, counting on its fair share (the others
+  // are held to theirs while it waits: Note [Fair share under pressure]).
+  if (share_) mappable = std::min(mappable, share_->room_pages());
+  int64_t blocks =
+      usable_free_blocks() + incoming_for_waiters_ + refill_pages_ * bpp + mappable * bpp;
   const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
   if (mappable > 0 && mappable == unmapped && pages_[last].state == PageState::kUnmapped) {
     blocks -= bpp - pages_[last].num_blocks;
   }
   return std::max<int64_t>(0, blocks - waiting_blocks_);
+}
+
+int64_t PagePool::drain_from_block() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_ || !draining()) return -1;
+  return pages_[drain_from_page_].first_block;
 }
 
 void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
@@ -714,9 +773,11 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
                 "the memory limit was lowered to " + std::to_string(limit) +
                     " blocks, fewer than this request needs");
   }
+  plan_drain();
   serve_waiters();
   plan_maps();
   const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  if (over > 0 && !waiters_.empty()) plan_unmaps();  // the free draining pages (Note [Drain])
   if (over <= 0 || !waiters_.empty() || reserve_.empty()) return 0;
   std::vector<int64_t> pages = highest_reserve(over);
   const int64_t id = next_request_id_++;
@@ -1071,6 +1132,7 @@ int64_t PagePool::own_limit_pages() const {
 void PagePool::apply_share_limit(int64_t limit_pages, bool fail_too_big) {
   // As set_limit_pages, without a barrier: nobody awaits a limit set from outside.
   config_.limit_pages = limit_pages;
+  plan_drain();
   const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
@@ -1107,6 +1169,7 @@ void PagePool::on_share_tick(ShareMember& member) {
   if (target != config_.limit_pages && (requested < 0 || target != own_limit)) {
     apply_share_limit(target, /*fail_too_big=*/false);
   }
+  plan_drain();  // pages unmapped since the limit was set leave fewer to drain (Note [Drain])
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();
   plan_maps();

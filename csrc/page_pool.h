@@ -80,6 +80,19 @@
 // ever depends on which pages happen to be mapped. kvasync's layout picks page sizes that lose
 // at most 1/32 of the memory this way (KVLayout.page_unit).
 //
+// Note [Drain]
+// ~~~~~~~~~~~~
+// A limit lowered below what is mapped (set_limit, `kvasync limit`, or a share's fair-share
+// limit) can unmap at once only pages that are wholly free. Blocks of a busy engine are spread
+// over many pages, so a page rarely empties by itself while free slots in it keep being handed
+// out again: the pool would never come down. So the highest pages over the limit *drain*: no
+// block is handed out from them any more (allocation takes the lowest pages first, and the free
+// slots of draining pages do not count as free, for the fast path, for waiters, nor for
+// available_blocks), a draining page that empties is unmapped at once (even while requests wait:
+// its blocks could not go to them), and drain_from_block() tells a scheduler which blocks to
+// give back (vacate the requests holding them) to get the memory back promptly. The drain ends
+// when the pool is within its limit again, or when the limit is raised.
+//
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
@@ -163,6 +176,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n, bool map_on_miss = true);
   // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
   int64_t available_blocks() const;
+  // Note [Drain]: the first block id of the pages this pool wants back (a limit in force below
+  // what is mapped), from which no block is handed out any more; -1 when nothing drains.
+  int64_t drain_from_block() const;
   // Seconds each successful map job took since the last call (at most kMaxMapSamples kept),
   // for a metrics exporter's histogram.
   static constexpr size_t kMaxMapSamples = 4096;
@@ -251,6 +267,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t headroom_pages() const;
   int64_t limit_blocks(int64_t limit_pages) const;
   int64_t available_to_newcomer() const;
+  bool draining() const;
+  int64_t usable_free_blocks() const;  // free blocks outside draining pages (Note [Drain])
+  void plan_drain();
+  std::vector<int64_t> free_draining_pages(int64_t max_pages) const;
   int64_t reserve_kept_pages(Clock::time_point now) const;
   std::vector<int64_t> take_blocks(int64_t n);
   void serve_waiters();
@@ -298,6 +318,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t waiting_blocks_ = 0;        // sum of waiters' n
   int64_t incoming_for_waiters_ = 0;  // blocks of kMapping pages of kMapForRequest jobs
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
+  int64_t drain_from_page_ = INT64_MAX;  // Note [Drain]: lowest draining page; INT64_MAX = none
   // Note [Nowait maps]: blocks the reserve keeps for missed alloc_nowait calls, until then.
   int64_t nowait_hold_blocks_ = 0;
   Clock::time_point nowait_hold_until_{};

@@ -386,6 +386,70 @@ async def test_resize_lowers_the_memory_limit_and_unmaps_above_it(backend_name, 
         kv.free(blocks[:bpp] + more + big)
 
 
+def first_pages(layout: kvasync.KVLayout, count: int) -> list[list[int]]:
+    """The block ids of pages 0..count-1, page by page (pages may hold different numbers)."""
+    unit = layout.page_unit(PAGE)
+    pages: list[list[int]] = [[] for _ in range(count)]
+    for block in whole_blocks(layout, PAGE, MAX_BLOCKS):
+        page = block * layout.range_block_bytes // unit
+        if page >= count:
+            break
+        pages[page].append(block)
+    return pages
+
+
+async def test_a_lowered_limit_drains_the_pages_above_it(backend_name, small_layout):
+    # Note [Drain]: blocks in use on every page, so no page can be unmapped at once.
+    page_bytes = small_layout.page_unit(PAGE) * small_layout.num_ranges
+    pages = first_pages(small_layout, 4)
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        blocks = await kv.alloc(sum(map(len, pages)))
+        assert sorted(blocks) == sorted(b for page in pages for b in page)
+        assert kv.drain_from() is None
+        kv.free([b for page in pages for b in page[::2]])  # half of every page
+        kept = [page[1::2] for page in pages]
+        await kv.resize(memory_limit=2 * page_bytes)
+        assert kv.drain_from() == pages[2][0]
+        # Only the free halves of the two pages within the limit count, and only they are handed
+        # out, though the draining pages have free slots too.
+        below = sum(len(page[::2]) for page in pages[:2])
+        assert kv.available_blocks() == below
+        more = kv.alloc_nowait(below)
+        assert max(more) < pages[2][0]
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(1)
+        assert kv.stats().mapped_pages == 4
+        # Vacating the draining pages gives each back as soon as its last block is freed.
+        kv.free(kept[3])
+        await wait_until(lambda: kv.stats().mapped_pages == 3)
+        assert kv.drain_from() == pages[2][0]
+        kv.free(kept[2])
+        await wait_until(lambda: kv.drain_from() is None)  # once its unmap is done
+        assert kv.stats().mapped_pages == 2
+        assert kv.available_blocks() == 0
+        kv.free(more + kept[0] + kept[1])
+
+
+async def test_a_draining_page_goes_back_even_while_a_request_waits(backend_name, small_layout):
+    page_bytes = small_layout.page_unit(PAGE) * small_layout.num_ranges
+    pages = first_pages(small_layout, 3)
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        await kv.alloc(sum(map(len, pages)))
+        await kv.resize(memory_limit=2 * page_bytes)
+        assert kv.drain_from() == pages[2][0]
+        waiting = asyncio.ensure_future(kv.alloc(len(pages[0]), timeout=5.0))
+        await asyncio.sleep(0)
+        kv.free(pages[2])  # the draining page: unmapped, not given to the waiter
+        await wait_until(lambda: kv.stats().mapped_pages == 2)
+        assert not waiting.done()
+        kv.free(pages[0])  # a page within the limit: the waiter gets it
+        got = await asyncio.wait_for(waiting, 5.0)
+        assert sorted(got) == pages[0]
+        kv.free(got + pages[1])
+
+
 @pytest.mark.parametrize("contiguous", [False, True])
 async def test_layer_views_cover_distinct_memory_for_every_buffer(backend_name, contiguous):
     layout = kvasync.KVLayout(

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import wait_until
 
 import kvasync
 from kvasync import ledger
@@ -486,6 +487,35 @@ async def test_an_allocator_above_its_fair_share_gives_memory_back_to_one_short_
         regrown = await first.alloc(4 * BLOCKS_PER_PAGE, timeout=5.0)
         assert len(regrown) == 4 * BLOCKS_PER_PAGE
         first.free(held[4 * BLOCKS_PER_PAGE :] + regrown)
+
+
+async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_its_share(
+    share: str,
+) -> None:
+    # Note [Drain] with Note [Fair share under pressure]: `first` holds the whole budget with
+    # blocks in use on every page, so the fair-share limit alone would give nothing back.
+    config = kvasync.Config(
+        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=8 * PAGE
+    )
+    async with (
+        kvasync.open_allocator(LAYOUT, config) as first,
+        kvasync.open_allocator(LAYOUT, config) as second,
+    ):
+        held = sorted(await first.alloc(8 * BLOCKS_PER_PAGE))
+        first.free(held[::2])  # half of every page
+        kept = held[1::2]
+        # The budget is taken, yet `second` can count on its fair share (first gives it back).
+        assert second.available_blocks() == 4 * BLOCKS_PER_PAGE
+        waiting = asyncio.ensure_future(second.alloc(2 * BLOCKS_PER_PAGE, timeout=5.0))
+        await wait_until(lambda: first.drain_from() is not None)
+        drain = first.drain_from()
+        assert drain == held[4 * BLOCKS_PER_PAGE]  # the four highest pages are over the share
+        assert first.available_blocks() == 4 * BLOCKS_PER_PAGE // 2  # free halves below it
+        # What a scheduler does with drain_from(): free the blocks at and above it.
+        first.free([b for b in kept if b >= drain])
+        assert len(await waiting) == 2 * BLOCKS_PER_PAGE
+        assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= 8 * PAGE
+        first.free([b for b in kept if b < drain])
 
 
 # -- the command line -------------------------------------------------------------------------

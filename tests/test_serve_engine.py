@@ -1,11 +1,13 @@
 """The engine: continuous batching, preemption under a memory limit, deadlines, clean errors."""
 
 import asyncio
+import uuid
 
 import pytest
 import torch
 from conftest import wait_until
 
+from kvasync import ledger
 from kvasync.serve import (
     DeadlineExceeded,
     EngineClosed,
@@ -169,3 +171,36 @@ async def test_a_step_that_raises_fails_every_request_with_the_reason() -> None:
         assert "device lost" in repr(engine.error)
         with pytest.raises(EngineClosed):
             await engine.complete("c")
+
+
+async def test_co_located_engines_an_engine_over_its_fair_share_vacates_for_the_other() -> None:
+    # Note [Drain] and Note [Fair share under pressure] as the engine sees them: A holds most of
+    # the share's budget with requests in use on every page; B's requests need B's fair share.
+    # A is held to its fair share, vacates the requests on its draining pages (preempts them),
+    # and B is served; every request of both finishes.
+    share = f"test-engine-{uuid.uuid4().hex[:12]}"
+    budget = 8 * (256 << 10)  # 8 page ids of 32 blocks (tiny model, fp32, 64 KiB pages)
+    common = {"share": share, "device_budget": budget, "max_blocks": 1024, "reserve_pages": (0, 0)}
+    # 25 blocks each from the prefill on: 9 requests map all 8 pages. The 9th (the youngest,
+    # on the highest page) ends at once and leaves its blocks free: enough for A's others to
+    # grow into to the end, so that without draining A would never give a page back before its
+    # requests end.
+    prompt = "z" * 400
+    async with (
+        open_engine(_config(name="A", **common)) as a,
+        open_engine(_config(name="B", **common)) as b,
+    ):
+        first = [asyncio.ensure_future(a.complete(prompt, max_tokens=100)) for _ in range(8)]
+        await wait_until(lambda: a.kv.stats().used_blocks >= 8 * 25, timeout=30.0)
+        await asyncio.wait_for(a.complete(prompt, max_tokens=1), 30)
+        second = [b.complete(prompt, max_tokens=100) for _ in range(4)]
+        served = await asyncio.wait_for(asyncio.gather(*second), 60)
+        assert [c.output_tokens for c in served] == [100] * 4
+        assert a.stats().preemptions > 0  # A gave its draining pages back by preempting
+        # B did not wait for A's requests to end: a page comes back whole only when every
+        # request on it has left, and A's left by preemption, before any of them finished.
+        b_first = min(r.first_token or float("inf") for r in b.records())
+        assert b_first < min(r.finish for r in a.records() if r.output_tokens == 100)
+        done = await asyncio.wait_for(asyncio.gather(*first), 60)
+        assert [c.output_tokens for c in done] == [100] * 8
+        assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= budget

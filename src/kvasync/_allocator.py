@@ -262,9 +262,25 @@ class Allocator:
 
         Mapped free blocks, blocks being mapped, and the blocks of the pages the memory limit
         still allows, less what waiting requests need: what a scheduler checks before admitting
-        a request. 0 once closed.
+        a request. In a share (``Config.share``), mapping counts only on the budget the share
+        leaves this allocator, or on what is left of its fair share when that is more (the
+        others are held to theirs while it waits). Free blocks of draining pages do not count
+        (see ``drain_from``). 0 once closed.
         """
         return int(self._pool.available_blocks())
+
+    def drain_from(self) -> int | None:
+        """The first block id of the pages this allocator wants back, or None.
+
+        When the memory limit in force is lower than what is mapped (``resize``,
+        ``kvasync limit``, or in a share the fair share while another allocator waits for
+        budget), the highest pages over it drain: no block is handed out from them any more,
+        and each is unmapped as soon as its last block is freed. A scheduler that frees the
+        blocks ``>= drain_from()`` (preempting the requests holding them) gives the memory back
+        at once rather than when those requests end. None when nothing drains, or once closed.
+        """
+        block = int(self._pool.drain_from_block())
+        return None if block < 0 else block
 
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """Returns blocks to the pool. Synchronous; never blocks.

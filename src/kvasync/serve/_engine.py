@@ -13,15 +13,25 @@ One asyncio task runs the engine, step after step:
    on a timeout admission pauses until blocks are freed. With nothing running it waits up to the
    earliest deadline of the waiting requests (then expires them and tries again): there is
    nothing else to do.
-3. Grow: a running request about to cross into a new block gets it with ``await kv.alloc``. When
-   the allocator says it cannot fit (``kv.available_blocks()`` is too few, or the
-   alloc times out or raises OutOfBlocks), the engine preempts the youngest running request: it
-   frees its blocks and puts it back in the queue, to be recomputed from its prompt and the
-   tokens it already produced (recompute preemption). A request alone that cannot grow waits as
-   an admission does; one that can never fit fails with RequestFailed.
-4. Step: one forward pass over the new tokens of every running request (prefill and decode in one
-   batch), run in a worker thread so the loop keeps serving HTTP. Each request then gets its next
-   token.
+3. Vacate: when the allocator drains pages (``kv.drain_from()``: a memory limit lowered below
+   what is mapped, or in a share the fair share while another engine waits for memory), the
+   requests holding blocks there are preempted, youngest first, so that the memory goes back
+   within a step rather than when they end.
+4. Grow: a running request about to cross into a new block asks for it with ``kv.alloc`` in a
+   task of its own, with its deadline. Found free, the blocks arrive before the step; otherwise
+   the request sits out steps while the others go on, until its blocks arrive (mapped, freed, or
+   given back by another engine of the share). When the allocator says it cannot fit
+   (``kv.available_blocks()`` is too few, an alloc raises OutOfBlocks, or a grow has waited
+   longer than its patience: ``alloc_timeout``, or ``share_wait`` in a share, where memory comes
+   back from the other engines), the engine preempts the youngest running request: it frees its
+   blocks and puts it back in the queue, to be recomputed from its prompt and the tokens it
+   already produced (recompute preemption). While any grow waits, nothing is admitted. A request
+   alone that cannot grow waits as an admission does; one that can never fit fails with
+   RequestFailed.
+5. Step: one forward pass over the new tokens of every running request that has its blocks
+   (prefill and decode in one batch), run in a worker thread so the loop keeps serving HTTP. Each
+   request then gets its next token. When every running request waits for blocks, the loop
+   waits (bounded by the patience) for the first of them instead.
 
 Blocks under a running step: a request can end while a step that writes into its blocks runs in
 the worker thread (its caller went away, or the engine closes). Its blocks are then freed only
@@ -92,8 +102,11 @@ class EngineConfig:
             baseline of an engine without an elastic allocator.
         max_batch: requests running at once.
         max_batch_tokens: new tokens one step computes at most (prefill budget).
-        alloc_timeout: how long an alloc may stall the running batch (see Note [Engine
-            scheduling]).
+        alloc_timeout: how long an admission's alloc may stall the running batch, and how long a
+            request waits for a block to grow into before the youngest is preempted (see Note
+            [Engine scheduling]).
+        share_wait: in a share, how long a request waits for a block to grow into (memory the
+            other engines give back) before the youngest is preempted.
         request_timeout: a request's deadline, in seconds after submission, when it gives none.
         attention: ``"triton"``, ``"torch"`` or ``"auto"`` (triton on a GPU).
         share: kvasync device share to join (co-located engines); None = none.
@@ -116,6 +129,7 @@ class EngineConfig:
     max_batch: int = 64
     max_batch_tokens: int = 4096
     alloc_timeout: float = 0.05
+    share_wait: float = 0.5
     request_timeout: float = 60.0
     attention: str = "auto"
     share: str | None = None
@@ -134,7 +148,7 @@ class EngineConfig:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        for name in ("alloc_timeout", "request_timeout"):
+        for name in ("alloc_timeout", "share_wait", "request_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"EngineConfig.{name} must be positive seconds, got {value!r}")
@@ -219,6 +233,8 @@ class _Request:
     num_computed: int = 0
     first_token: float | None = None
     preemptions: int = 0
+    grow: asyncio.Task[list[int]] | None = None  # the alloc of the blocks it grows into
+    grow_since: float = 0.0  # loop.time() when that alloc was asked for
     done: bool = False
     record: RequestRecord | None = None
 
@@ -290,6 +306,9 @@ class Engine:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._admit_paused = False  # an admission alloc timed out: wait for blocks to be freed
+        self._admit_paused_at = 0.0
+        # How long a grow waits before the youngest is preempted (Note [Engine scheduling]).
+        self._patience = config.share_wait if config.share is not None else config.alloc_timeout
         self._closed = False
         self.error: Exception | None = None  # what stopped the engine's loop, if anything
         self._records: list[RequestRecord] = []
@@ -560,6 +579,10 @@ class Engine:
         budget = self.config.max_batch_tokens - sum(
             len(r.tokens) - r.num_computed for r in self._running
         )
+        if self._admit_paused and self._loop.time() - self._admit_paused_at > self._patience:
+            self._admit_paused = False  # in a share, memory can come back from another engine
+        if any(r.grow is not None for r in self._running):
+            return  # the running requests' growth first (Note [Engine scheduling])
         while (
             self._waiting and not self._admit_paused and len(self._running) < self.config.max_batch
         ):
@@ -569,7 +592,7 @@ class Engine:
                 return
             need = self._blocks_needed(request)
             if self._running and not self._fits(need):
-                self._admit_paused = True  # nothing frees blocks until a request ends
+                self._pause_admission()  # nothing frees blocks until a request ends
                 return
             try:
                 # Alone, a request may wait up to its deadline: nothing else would run.
@@ -579,7 +602,7 @@ class Engine:
                     blocks = await self.kv.alloc(need, deadline=self._next_deadline(request))
             except AllocTimeout:
                 if self._running:
-                    self._admit_paused = True
+                    self._pause_admission()
                 return  # alone: _expire fails whoever's deadline passed, then it retries
             except KVAsyncError as error:  # OutOfBlocks, MapError, AllocatorClosed
                 self._finish(request, _failure(request, need, error))
@@ -593,6 +616,10 @@ class Engine:
             self._running.append(request)
             budget -= new_tokens
 
+    def _pause_admission(self) -> None:
+        self._admit_paused = True
+        self._admit_paused_at = self._loop.time()
+
     def _next_deadline(self, request: _Request) -> float:
         """The earliest deadline of ``request`` and the waiting requests: a wait of the loop
         ends by then, so that _expire fails each request on time."""
@@ -603,38 +630,86 @@ class Engine:
         return self.kv.available_blocks() >= need
 
     async def _grow(self) -> None:
+        self._vacate_draining()
         for request in list(self._running):  # oldest first: the youngest are preempted first
-            while request in self._running:
+            while request in self._running and request.grow is None:
                 need = self._blocks_needed(request)
                 if need <= 0:
                     break
-                alone = len(self._running) == 1
-                try:
-                    if alone:
-                        blocks = await self.kv.alloc(need, deadline=self._next_deadline(request))
-                    elif self._fits(need):
-                        blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
-                    else:
-                        self._preempt_youngest()
-                        continue
-                except AllocTimeout:
-                    if alone:
-                        break  # _expire fails it at its deadline
-                    self._preempt_youngest()
-                    continue
-                except OutOfBlocks as error:
-                    if alone:
-                        self._finish(request, _failure(request, need, error))
-                        break
-                    self._preempt_youngest()
-                    continue
-                except KVAsyncError as error:
-                    self._finish(request, _failure(request, need, error))
+                if len(self._running) == 1:
+                    await self._grow_alone(request, need)
                     break
-                if request in self._running:
-                    request.blocks.extend(blocks)
-                else:  # preempted or expired while its alloc waited
-                    self._free(blocks)
+                if not self._fits(need):
+                    self._preempt(self._youngest())
+                    continue
+                request.grow = asyncio.ensure_future(self.kv.alloc(need, deadline=request.deadline))
+                request.grow_since = self._loop.time()
+        if any(r.grow is not None for r in self._running):
+            await asyncio.sleep(
+                0
+            )  # an alloc that finds its blocks free completes in its first step
+            self._collect_grows()
+
+    async def _grow_alone(self, request: _Request, need: int) -> None:
+        # Nothing else would run: wait here, up to the earliest deadline (then _expire).
+        try:
+            blocks = await self.kv.alloc(need, deadline=self._next_deadline(request))
+        except AllocTimeout:
+            return  # _expire fails it at its deadline
+        except KVAsyncError as error:  # OutOfBlocks: it can never fit; MapError, closed
+            self._finish(request, _failure(request, need, error))
+            return
+        if request in self._running:
+            request.blocks.extend(blocks)
+        else:  # expired or aborted while its alloc waited
+            self._free(blocks)
+
+    def _collect_grows(self) -> None:
+        """Takes the blocks of the grows that completed; preempts the youngest request when one
+        has waited past the patience (Note [Engine scheduling])."""
+        now = self._loop.time()
+        overdue = False
+        for request in list(self._running):
+            task = request.grow
+            if task is None:
+                continue
+            if not task.done():
+                overdue = overdue or now - request.grow_since > self._patience
+                continue
+            request.grow = None
+            error = task.exception()
+            if error is None:
+                request.blocks.extend(task.result())
+                self._admit_paused = False  # memory arrived
+            elif isinstance(error, OutOfBlocks) and len(self._running) > 1:
+                self._preempt(self._youngest())
+            elif isinstance(error, KVAsyncError) and not isinstance(error, AllocTimeout):
+                need = self._blocks_needed(request)
+                self._finish(request, _failure(request, need, error))
+            # AllocTimeout: its deadline passed; _expire fails it.
+        if overdue and len(self._running) > 1:
+            self._preempt(self._youngest())
+
+    def _vacate_draining(self) -> None:
+        """Preempts the requests holding blocks of pages the allocator drains, youngest first,
+        keeping one running (Note [Drain] of kvasync's page pool)."""
+        drain = self.kv.drain_from()
+        if drain is None:
+            return
+        for victim in sorted(self._running, key=_age_key, reverse=True):
+            if len(self._running) <= 1:
+                return
+            if victim.blocks and max(victim.blocks) >= drain:
+                self._preempt(victim)
+
+    def _drop_grow(self, request: _Request) -> None:
+        task, request.grow = request.grow, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()  # cancelling an alloc leaks nothing (kvasync's contract)
+        elif not task.cancelled() and task.exception() is None:
+            self._free(task.result())
 
     def _free(self, blocks: list[int]) -> None:
         # NOTE: no free(after=stream) on cuda: a step ends by copying its sampled tokens to the
@@ -644,9 +719,12 @@ class Engine:
         else:
             self.kv.free(blocks)
 
-    def _preempt_youngest(self) -> None:
-        victim = max(self._running, key=lambda r: (r.arrival, r.request_id))
+    def _youngest(self) -> _Request:
+        return max(self._running, key=_age_key)
+
+    def _preempt(self, victim: _Request) -> None:
         self._running.remove(victim)
+        self._drop_grow(victim)
         self._free(victim.blocks)
         victim.blocks = []
         victim.num_computed = 0
@@ -659,6 +737,14 @@ class Engine:
     async def _step(self) -> None:
         batch = [r for r in self._running if self._blocks_needed(r) <= 0]
         if not batch:
+            # Every running request waits for blocks: wait for the first (bounded by the
+            # patience, after which _collect_grows preempts the youngest).
+            growing = [r.grow for r in self._running if r.grow is not None]
+            if growing:
+                await asyncio.wait(
+                    growing, timeout=self._patience, return_when=asyncio.FIRST_COMPLETED
+                )
+                self._collect_grows()
             return
         tokens = [r.tokens for r in batch]
         starts = [r.num_computed for r in batch]
@@ -714,6 +800,7 @@ class Engine:
             self._running.remove(request)
         elif request in self._waiting:
             self._waiting.remove(request)
+        self._drop_grow(request)
         if request.blocks:
             self._free(request.blocks)
             self._admit_paused = False
@@ -731,6 +818,10 @@ class Engine:
         )
         self._records.append(request.record)
         request.events.put_nowait(error)
+
+
+def _age_key(request: _Request) -> tuple[float, int]:
+    return (request.arrival, request.request_id)
 
 
 def _failure(request: _Request, need: int, error: KVAsyncError) -> RequestFailed:
