@@ -122,7 +122,9 @@ async def replay(
             await asyncio.wait_for(asyncio.gather(*(one(r) for r in trace)), 600)
         duration = time.monotonic() - start
         records = [r for r in engine.records() if r.arrival >= start]
-        return RunResult(name, records, sampler.samples, start, duration)
+        # Blocks moved out of pages the allocator drained (co-location: Note [Drain]).
+        moved = {"moved blocks": float(engine.stats().moved_blocks)}
+        return RunResult(name, records, sampler.samples, start, duration, moved)
 
 
 def engine_config(args: argparse.Namespace, workload: Workload, **changes: object) -> EngineConfig:
@@ -195,6 +197,7 @@ def run_worker(spec_path: str) -> None:
         "duration": result.duration,
         "samples": [(t, b) for t, b in result.samples],
         "records": [record_to_json(r, result.start) for r in result.records],
+        "extra": result.extra,
     }
     Path(spec["out"]).write_text(json.dumps(out))
 
@@ -228,7 +231,9 @@ def run_pair(
         data = json.loads(Path(str(spec["out"])).read_text())
         records = [RequestRecord(**r) for r in data["records"]]
         samples = [(float(t), int(b)) for t, b in data["samples"]]
-        results.append(RunResult(data["name"], records, samples, 0.0, data["duration"]))
+        results.append(
+            RunResult(data["name"], records, samples, 0.0, data["duration"], data["extra"])
+        )
     return results
 
 

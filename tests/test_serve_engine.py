@@ -173,11 +173,11 @@ async def test_a_step_that_raises_fails_every_request_with_the_reason() -> None:
             await engine.complete("c")
 
 
-async def test_co_located_engines_an_engine_over_its_fair_share_vacates_for_the_other() -> None:
+async def test_co_located_engines_one_over_its_fair_share_moves_out_for_the_other() -> None:
     # Note [Drain] and Note [Fair share under pressure] as the engine sees them: A holds most of
     # the share's budget with requests in use on every page; B's requests need B's fair share.
-    # A is held to its fair share, vacates the requests on its draining pages (preempts them),
-    # and B is served; every request of both finishes.
+    # A is held to its fair share and moves its requests' blocks out of its draining pages, B is
+    # served, and every request of both finishes with the output it has alone.
     share = f"test-engine-{uuid.uuid4().hex[:12]}"
     budget = 8 * (256 << 10)  # 8 page ids of 32 blocks (tiny model, fp32, 64 KiB pages)
     common = {"share": share, "device_budget": budget, "max_blocks": 1024, "reserve_pages": (0, 0)}
@@ -196,11 +196,37 @@ async def test_co_located_engines_an_engine_over_its_fair_share_vacates_for_the_
         second = [b.complete(prompt, max_tokens=100) for _ in range(4)]
         served = await asyncio.wait_for(asyncio.gather(*second), 60)
         assert [c.output_tokens for c in served] == [100] * 4
-        assert a.stats().preemptions > 0  # A gave its draining pages back by preempting
-        # B did not wait for A's requests to end: a page comes back whole only when every
-        # request on it has left, and A's left by preemption, before any of them finished.
+        # A moved its blocks out of its draining pages (preempting only what did not fit below
+        # them), so B did not wait for A's requests to end: without that, a page comes back
+        # whole only when every request on it has left.
+        assert a.stats().moved_blocks > 0
         b_first = min(r.first_token or float("inf") for r in b.records())
         assert b_first < min(r.finish for r in a.records() if r.output_tokens == 100)
         done = await asyncio.wait_for(asyncio.gather(*first), 60)
-        assert [c.output_tokens for c in done] == [100] * 8
         assert sum(e.committed_bytes for e in ledger.snapshot(share)) <= budget
+    # Moved (and maybe recomputed), A's requests still produce what they produce alone.
+    alone = await _complete_all(_config(), [(prompt, 100)])
+    assert [c.text for c in done] == alone * 8
+
+
+async def test_a_lowered_limit_moves_running_requests_below_it_without_changing_outputs() -> None:
+    # Note [Drain]: the operator lowers the limit of a busy engine (`kvasync limit`, resize):
+    # its pages above the new limit come back while its requests run on, moved below it.
+    page = 256 << 10  # one page id: 32 blocks
+    short = ("s" * 300, 1)  # 19 blocks, done after one step
+    long = [("w" * (150 + i), 60) for i in range(6)]  # 10 blocks each; 14 at the end
+    alone = await _complete_all(_config(), long)
+    async with open_engine(_config(reserve_pages=(0, 0), max_blocks=1024)) as engine:
+        # Admitted in this order, short and long requests share every page (136 blocks, 5
+        # pages); once the short ones end, no page is wholly free.
+        order = [short, long[0], short, long[1], short, long[2], short, *long[3:]]
+        submitted = [asyncio.ensure_future(engine.complete(p, max_tokens=m)) for p, m in order]
+        running = [submitted[i] for i in (1, 3, 5, 7, 8, 9)]
+        await asyncio.wait_for(asyncio.gather(*(submitted[i] for i in (0, 2, 4, 6))), 30)
+        assert engine.kv.stats().mapped_bytes == 5 * page
+        await engine.kv.resize(memory_limit=3 * page, timeout=5.0)  # 84 blocks fit in 96
+        done = await asyncio.wait_for(asyncio.gather(*running), 60)
+        assert engine.stats().moved_blocks > 0
+        assert engine.stats().preemptions == 0  # everything fit below the limit: moved, not lost
+        assert engine.kv.stats().mapped_bytes <= 3 * page
+    assert [c.text for c in done] == alone

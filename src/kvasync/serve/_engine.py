@@ -15,8 +15,13 @@ One asyncio task runs the engine, step after step:
    nothing else to do.
 3. Vacate: when the allocator drains pages (``kv.drain_from()``: a memory limit lowered below
    what is mapped, or in a share the fair share while another engine waits for memory), the
-   requests holding blocks there are preempted, youngest first, so that the memory goes back
-   within a step rather than when they end.
+   running requests' blocks in those pages are moved below the drain (new blocks, one
+   ``kv.copy`` of every layer's K and V, the old blocks freed), so that the pages go back within
+   a step rather than when the requests holding them end. Decode growth lands on the highest
+   pages, so nearly every long request holds a block there: preempting the holders would throw
+   away most of the batch's work (measured on the H200: 288 preemptions, TTFT p99 20 s), moving
+   them costs one copy. Only while the blocks to move do not fit below the drain are the
+   youngest holders preempted.
 4. Grow: a running request about to cross into a new block asks for it with ``kv.alloc`` in a
    task of its own, with its deadline. Found free, the blocks arrive before the step; otherwise
    the request sits out steps while the others go on, until its blocks arrive (mapped, freed, or
@@ -211,6 +216,7 @@ class EngineStats:
     finished: int
     failed: int
     preemptions: int
+    moved_blocks: int  # blocks moved out of pages the allocator drained (Note [Drain])
     steps: int
     prompt_tokens: int
     output_tokens: int
@@ -312,7 +318,14 @@ class Engine:
         self._closed = False
         self.error: Exception | None = None  # what stopped the engine's loop, if anything
         self._records: list[RequestRecord] = []
-        self._counts = {"finished": 0, "failed": 0, "preemptions": 0, "steps": 0}
+        self._counts = {
+            "finished": 0,
+            "failed": 0,
+            "preemptions": 0,
+            "steps": 0,
+            "moved_blocks": 0,
+        }
+        self._on_cuda = model.device.type == "cuda"
         self._token_counts = {"prompt": 0, "output": 0}
         mask = torch.full((256,), float("-inf"))
         mask[_SAMPLEABLE] = 0.0
@@ -426,6 +439,7 @@ class Engine:
             finished=self._counts["finished"],
             failed=self._counts["failed"],
             preemptions=self._counts["preemptions"],
+            moved_blocks=self._counts["moved_blocks"],
             steps=self._counts["steps"],
             prompt_tokens=self._token_counts["prompt"],
             output_tokens=self._token_counts["output"],
@@ -691,16 +705,42 @@ class Engine:
             self._preempt(self._youngest())
 
     def _vacate_draining(self) -> None:
-        """Preempts the requests holding blocks of pages the allocator drains, youngest first,
-        keeping one running (Note [Drain] of kvasync's page pool)."""
+        """Moves the running requests' blocks out of the pages the allocator drains (Note
+        [Drain] of kvasync's page pool), preempting the youngest holders only while the blocks
+        to move do not fit below the drain."""
         drain = self.kv.drain_from()
         if drain is None:
             return
-        for victim in sorted(self._running, key=_age_key, reverse=True):
-            if len(self._running) <= 1:
-                return
-            if victim.blocks and max(victim.blocks) >= drain:
-                self._preempt(victim)
+        for request in self._running:
+            self._drop_grow(request)  # asked again after the move; a waiting grow holds blocks
+        holders = sorted(
+            (r for r in self._running if r.blocks and max(r.blocks) >= drain), key=_age_key
+        )
+        moving = sum(b >= drain for r in holders for b in r.blocks)
+        room = self.kv.available_blocks()
+        while holders and moving > room and len(self._running) > 1:
+            victim = holders.pop()  # the youngest
+            moving -= sum(b >= drain for b in victim.blocks)
+            self._preempt(victim)
+            room = self.kv.available_blocks()
+        if not holders or moving > room:
+            return
+        try:
+            targets = iter(self.kv.alloc_nowait(moving))
+        except KVAsyncError:  # WouldBlock: pages still on their way; the next step tries again
+            return
+        sources, destinations = [], []
+        for request in holders:
+            for index, block in enumerate(request.blocks):
+                if block >= drain:
+                    request.blocks[index] = next(targets)
+                    sources.append(block)
+                    destinations.append(request.blocks[index])
+        self.kv.copy(sources, destinations)  # every layer's K and V, one launch
+        self._counts["moved_blocks"] += len(sources)
+        # On cuda the copy is queued on the current stream: its pages stay mapped until it ran.
+        after = torch.cuda.current_stream(self.model.device) if self._on_cuda else None
+        self.kv.free(sources, after=after)
 
     def _drop_grow(self, request: _Request) -> None:
         task, request.grow = request.grow, None

@@ -66,6 +66,7 @@ class _EngineCollector:
             ("requests_finished", s.finished, "requests that finished"),
             ("requests_failed", s.failed, "requests that ended with an error"),
             ("preemptions", s.preemptions, "requests preempted (blocks freed, requeued)"),
+            ("moved_blocks", s.moved_blocks, "KV blocks moved out of draining pages"),
             ("steps", s.steps, "engine steps (forward passes)"),
             ("prompt_tokens", s.prompt_tokens, "prompt tokens of requests that started"),
             ("generation_tokens", s.output_tokens, "tokens generated"),

@@ -127,7 +127,11 @@ def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> Path:
     fig, (memory_ax, ttft_ax, tpot_ax) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
     for run in runs:
         times = [t for t, _ in run.samples]
-        memory_ax.step(times, [b / MIB for _, b in run.samples], where="post", label=run.name)
+        # Baselines dashed: a static pool's flat line would hide an elastic one beneath it.
+        style = "--" if "static" in run.name else "-"
+        memory_ax.step(
+            times, [b / MIB for _, b in run.samples], style, where="post", label=run.name
+        )
         done = [r for r in run.records if r.ttft is not None]
         firsts = [(r.first_token or 0.0) - run.start for r in done]
         ttft_ax.plot(firsts, [1e3 * (r.ttft or 0.0) for r in done], ".", label=run.name)
