@@ -85,6 +85,8 @@ async def test_no_request_waits_past_its_deadline() -> None:
         # NOTE: 500 decode steps take far longer than 10 ms on any machine (a fast CPU ran 400
         # of them within 0.2 s, which an earlier version of this test took for "never").
         long = asyncio.ensure_future(engine.complete("a", max_tokens=500))
+        # "a" first: on Python 3.12 wait_for runs its coroutine at once, ahead of `long`.
+        await wait_until(lambda: engine.stats().running == 1)
         loop = asyncio.get_running_loop()
         start = loop.time()
         with pytest.raises(DeadlineExceeded, match="waiting for admission"):
