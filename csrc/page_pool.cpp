@@ -1,6 +1,7 @@
 #include "page_pool.h"
 
 #include <algorithm>
+#include <cassert>
 #include <climits>
 #include <set>
 #include <sstream>
@@ -314,6 +315,8 @@ std::vector<int64_t> PagePool::take_blocks(int64_t n) {
   out.reserve(n);
   while (static_cast<int64_t>(out.size()) < n) {
     const int64_t page = with_free_.first();
+    // Note [Drain]: callers check n against usable_free_blocks(), and the lowest pages go first.
+    assert(page >= 0 && !(draining() && page >= drain_from_page_));
     Page& p = pages_[page];
     if (p.used == 0) set_state(page, PageState::kInUse);
     while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {

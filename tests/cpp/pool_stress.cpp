@@ -88,7 +88,7 @@ struct Counts {
       nowaits{0}, would_block{0}, frees{0}, fenced_frees{0}, bad_frees{0}, trims{0},
       resizes{0}, timer_cancels{0}, user_cancels{0}, closes_joined{0}, closes_abandoned{0},
       fault_changes{0}, stats_checks{0}, maps{0}, unmaps{0}, injected{0}, fences{0},
-      closed_errors{0}, out_of_blocks{0};
+      closed_errors{0}, out_of_blocks{0}, drains_seen{0};
 };
 Counts counts;
 
@@ -522,6 +522,15 @@ class Round {
           if (id != 0) cancel(id, false);
         } else {
           check_stats(timed("stats", [&] { return pool_->stats(); }));
+          // Note [Drain]: the scheduler's view; take_blocks asserts no block comes from a
+          // draining page (this harness builds with assertions on).
+          const int64_t available = timed("available_blocks", [&] { return pool_->available_blocks(); });
+          const int64_t drain = timed("drain_from_block", [&] { return pool_->drain_from_block(); });
+          if (available < 0 || drain < -1 || drain >= g_.num_blocks) {
+            fail("available_blocks " + std::to_string(available) + " or drain_from_block " +
+                 std::to_string(drain) + " out of range");
+          }
+          if (drain >= 0) counts.drains_seen++;
         }
       } catch (const kvasync::AllocatorClosedError&) {
         counts.closed_errors++;
@@ -820,5 +829,6 @@ int main(int argc, char** argv) {
               " stats checks\n",
               counts.maps.load(), counts.unmaps.load(), counts.injected.load(),
               counts.fault_changes.load(), counts.stats_checks.load());
+  std::printf("  drains seen by the scheduler's view: %" PRId64 "\n", counts.drains_seen.load());
   return 0;
 }
