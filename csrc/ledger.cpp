@@ -554,6 +554,11 @@ int64_t ShareMember::room_pages() const {
   return std::max<int64_t>(0, std::max(unclaimed, fair_left)) / page_bytes_;
 }
 
+int64_t ShareMember::budget_pages() const {
+  const int64_t budget = ledger_->budget_locked();  // atomics only: safe without the lock
+  return budget == INT64_MAX ? INT64_MAX : budget / page_bytes_;
+}
+
 std::string ShareMember::describe_budget() const {
   int64_t total = 0, others = 0, budget = INT64_MAX;
   for (const LedgerEntry& e : ledger_->file().entries) {

@@ -232,6 +232,9 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // its fair share when more (the others give it back under pressure). INT64_MAX without a
   // budget. Read without the lock (atomics): a hint for schedulers, never a grant.
   int64_t room_pages() const;
+  // The share's whole budget in pages of this allocator (INT64_MAX without one): a request
+  // larger than this can never be served. Read without the lock (atomics).
+  int64_t budget_pages() const;
   std::string describe_budget() const;
 
   // Figures published by the watcher.

@@ -482,6 +482,16 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   refill_paused_ = false;  // demand again (Note [Trim])
   // Not config_.limit_pages: a fair-share limit is temporary, a request above it can still fit.
   const int64_t limit = limit_blocks(own_limit_pages());
+  if (share_ && n <= usable_blocks_ && n <= limit) {
+    // Nor can a request above the whole budget of its share: it would wait out its deadline.
+    const int64_t budget_blocks = limit_blocks(share_->budget_pages());
+    if (n > budget_blocks) {
+      throw OutOfBlocksError("alloc of " + std::to_string(n) +
+                             " blocks can never fit: the whole budget of the share holds " +
+                             std::to_string(budget_blocks) + " blocks (" +
+                             share_->ledger().path() + "); allocate fewer blocks at a time");
+    }
+  }
   if (n > usable_blocks_ || n > limit) {
     const int64_t lost = config_.num_blocks - usable_blocks_;
     throw OutOfBlocksError(

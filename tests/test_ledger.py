@@ -518,6 +518,22 @@ async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_i
         first.free([b for b in kept if b < drain])
 
 
+async def test_an_alloc_larger_than_the_whole_budget_of_the_share_fails_at_once(
+    share: str,
+) -> None:
+    config = kvasync.Config(
+        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=4 * PAGE
+    )
+    loop = asyncio.get_running_loop()
+    async with kvasync.open_allocator(LAYOUT, config) as kv:
+        start = loop.time()
+        with pytest.raises(kvasync.OutOfBlocks, match="whole budget of the share"):
+            await kv.alloc(4 * BLOCKS_PER_PAGE + 1, timeout=30.0)
+        assert loop.time() - start < 10.0  # at once, not at its deadline (a correctness bound)
+        assert kv.stats().used_blocks == 0
+        kv.free(await kv.alloc(4 * BLOCKS_PER_PAGE))  # the whole budget still fits
+
+
 # -- the command line -------------------------------------------------------------------------
 
 
