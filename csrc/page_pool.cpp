@@ -232,7 +232,10 @@ int64_t PagePool::page_of(int64_t block) const {
 
 int64_t PagePool::available_to_newcomer() const {
   // See Note [Waiters]: only the waiters' demand not covered by their own maps protects blocks.
-  const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming_for_waiters_);
+  // Over the limit, a page still mapping drains when it lands (Note [Drain]): no waiter can
+  // count on it, and all their demand protects the free blocks (first come, first served).
+  const int64_t incoming = headroom_pages() < 0 ? 0 : incoming_for_waiters_;
+  const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming);
   return usable_free_blocks() - protected_blocks;
 }
 
@@ -252,13 +255,17 @@ int64_t PagePool::usable_free_blocks() const {
 }
 
 void PagePool::plan_drain() {
-  // Note [Drain]: the pages over the limit (less those already unmapping), highest first:
-  // allocation packs into the lowest pages, so these hold the fewest (and youngest) blocks.
+  // Note [Drain]: the mapped pages over the limit (less those already unmapping), highest
+  // first: allocation packs into the lowest pages, so these hold the fewest (and youngest)
+  // blocks. Not pages still mapping: their blocks count as incoming for the waiters they are
+  // mapped for (Note [Waiters]); once they land, the next plan counts them. Re-planned whenever
+  // pages land or leave while over the limit, so the set shrinks as pages are unmapped.
   drain_from_page_ = INT64_MAX;
   int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  if (over <= 0) return;  // the common case: nothing to scan
   for (int64_t page = static_cast<int64_t>(pages_.size()) - 1; page >= 0 && over > 0; --page) {
     const PageState state = pages_[page].state;
-    if (state == PageState::kUnmapped || state == PageState::kUnmapping) continue;
+    if (state != PageState::kFree && state != PageState::kInUse) continue;
     drain_from_page_ = page;
     --over;
   }
@@ -460,6 +467,7 @@ void PagePool::plan_unmaps() {
     std::vector<int64_t> pages = free_draining_pages(over_limit);
     if (!pages.empty()) {
       push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
+      plan_drain();
     }
     return;
   }
@@ -470,6 +478,7 @@ void PagePool::plan_unmaps() {
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
   push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
+  if (drain_from_page_ != INT64_MAX) plan_drain();  // fewer pages over the limit now
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -570,8 +579,10 @@ int64_t PagePool::available_blocks() const {
   // In a share, only what its budget leaves this pool, counting on its fair share (the others
   // are held to theirs while it waits: Note [Fair share under pressure]).
   if (share_) mappable = std::min(mappable, share_->room_pages());
-  int64_t blocks =
-      usable_free_blocks() + incoming_for_waiters_ + refill_pages_ * bpp + mappable * bpp;
+  // Over the limit, pages still mapping drain when they land (Note [Drain]): none is coming.
+  const int64_t incoming =
+      headroom_pages() < 0 ? 0 : incoming_for_waiters_ + refill_pages_ * bpp;
+  int64_t blocks = usable_free_blocks() + incoming + mappable * bpp;
   const int64_t last = static_cast<int64_t>(pages_.size()) - 1;
   if (mappable > 0 && mappable == unmapped && pages_[last].state == PageState::kUnmapped) {
     blocks -= bpp - pages_[last].num_blocks;
@@ -795,6 +806,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   std::vector<int64_t> pages = highest_reserve(over);
   const int64_t id = next_request_id_++;
   push_job(make_unmap_job(std::move(pages), id, to_time_point(deadline_s)));
+  plan_drain();  // the free pages unmapped first: fewer (or no) pages in use need to drain
   return id;
 }
 
@@ -1028,6 +1040,8 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
     }
   }
   if (closed_) return;
+  // Pages landed or left while over the limit: the drain covers what is over now.
+  if (drain_from_page_ != INT64_MAX || headroom_pages() < 0) plan_drain();
   serve_waiters();
   // After a failure too: each failed job fails the waiter it was for, so a driver that keeps
   // failing ends every waiter's wait instead of looping.

@@ -450,6 +450,61 @@ async def test_a_draining_page_goes_back_even_while_a_request_waits(backend_name
         kv.free(got + pages[1])
 
 
+# 512 blocks of 4 KiB per 2 MiB page, pages uniform: the drain cases below count whole pages.
+UNIFORM = kvasync.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)
+
+
+def uniform_pages(count: int) -> list[list[int]]:
+    return [list(range(i * 512, (i + 1) * 512)) for i in range(count)]
+
+
+async def test_the_drain_covers_only_what_is_over_after_free_pages_go_back():
+    # Free pages over the limit are unmapped first; the drain is what is left over after them.
+    page_bytes = UNIFORM.page_unit(PAGE) * UNIFORM.num_ranges
+    pages = uniform_pages(6)
+    cfg = kvasync.Config(backend="host", max_blocks=8192, reserve_pages=(0, 1))
+    async with kvasync.open_allocator(UNIFORM, cfg) as kv:
+        assert sorted(await kv.alloc(6 * 512)) == [b for page in pages for b in page]
+        kv.free(pages[1])  # wholly free: kept as the reserve
+        kv.free(pages[4][::2] + pages[5][::2])
+        await kv.resize(memory_limit=4 * page_bytes, timeout=5.0)  # unmaps page 1
+        assert kv.stats().mapped_pages == 5
+        assert kv.drain_from() == pages[5][0]  # one page over: the highest, not pages 4 and 5
+        assert kv.available_blocks() == 256  # page 4's free half
+        kv.free(kv.alloc_nowait(256) + pages[0] + pages[2] + pages[3])
+        kv.free(pages[4][1::2] + pages[5][1::2])
+
+
+async def test_a_map_in_flight_when_the_limit_drops_is_not_counted_on():
+    # Note [Waiters] with Note [Drain]: a waiter counted on a page being mapped for it; once the
+    # limit drops below it, that page drains as it lands, so the waiter's demand protects the
+    # free blocks again: a later request does not jump ahead of it.
+    page_bytes = UNIFORM.page_unit(PAGE) * UNIFORM.num_ranges
+    faults = FaultInjector()
+    cfg = kvasync.Config(
+        backend="host",
+        max_blocks=8192,
+        reserve_pages=(0, 0),
+        faults=faults,
+        memory_limit=8 * page_bytes,
+    )
+    async with kvasync.open_allocator(UNIFORM, cfg) as kv:
+        held = sorted(await kv.alloc(4 * 512))
+        kv.free(held[:256])
+        faults.hang()  # the map for the waiter below stays in flight
+        waiter = asyncio.ensure_future(kv.alloc(300, timeout=10.0))
+        await wait_until(lambda: kv.stats().mapping_pages == 1)
+        await kv.resize(memory_limit=4 * page_bytes, timeout=5.0)
+        with pytest.raises(kvasync.WouldBlock):
+            kv.alloc_nowait(200)  # 256 free, but the waiter for 300 came first
+        faults.release()
+        kv.free(held[256:768])  # frees within the limit serve the waiter
+        got = await asyncio.wait_for(waiter, 10.0)
+        assert max(got) < 4 * 512
+        await wait_until(lambda: kv.stats().mapped_pages == 4)
+        kv.free(got + held[768:])
+
+
 @pytest.mark.parametrize("contiguous", [False, True])
 async def test_layer_views_cover_distinct_memory_for_every_buffer(backend_name, contiguous):
     layout = kvasync.KVLayout(

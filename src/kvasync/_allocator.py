@@ -333,9 +333,10 @@ class Allocator:
     async def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """Changes the physical memory budget; unmaps free pages above a lowered one.
 
-        Pages in use above the new limit stay until they are freed; no new page is mapped while
-        the allocator is over its limit. Waiting requests larger than the new limit fail with
-        ``OutOfBlocks``.
+        Pages in use above the new limit stay until they are freed, but they drain: no block is
+        handed out from them any more, and each is unmapped once its last block is freed (see
+        ``drain_from``). No new page is mapped while the allocator is over its limit. Waiting
+        requests larger than the new limit fail with ``OutOfBlocks``.
 
         Args:
             memory_limit: bytes of physical KV memory; None = up to capacity.

@@ -644,7 +644,7 @@ class Engine:
         return self.kv.available_blocks() >= need
 
     async def _grow(self) -> None:
-        self._vacate_draining()
+        await self._vacate_draining()
         for request in list(self._running):  # oldest first: the youngest are preempted first
             while request in self._running and request.grow is None:
                 need = self._blocks_needed(request)
@@ -704,26 +704,33 @@ class Engine:
         if overdue and len(self._running) > 1:
             self._preempt(self._youngest())
 
-    def _vacate_draining(self) -> None:
+    async def _vacate_draining(self) -> None:
         """Moves the running requests' blocks out of the pages the allocator drains (Note
         [Drain] of kvasync's page pool), preempting the youngest holders only while the blocks
-        to move do not fit below the drain."""
+        to move do not fit below the drain. A request alone whose blocks cannot fit is preempted
+        too: requeued, it is readmitted when memory allows, or fails with RequestFailed if the
+        lowered limit can never hold it."""
         drain = self.kv.drain_from()
         if drain is None:
             return
+        # Grows are asked again after the move: a waiting one holds blocks back from it. Its
+        # cancellation reaches the allocator when the task runs, so wait for that first.
+        growing = [r.grow for r in self._running if r.grow is not None]
         for request in self._running:
-            self._drop_grow(request)  # asked again after the move; a waiting grow holds blocks
+            self._drop_grow(request)
+        if growing:
+            await asyncio.wait(growing, timeout=self._patience)
         holders = sorted(
             (r for r in self._running if r.blocks and max(r.blocks) >= drain), key=_age_key
         )
         moving = sum(b >= drain for r in holders for b in r.blocks)
         room = self.kv.available_blocks()
-        while holders and moving > room and len(self._running) > 1:
+        while holders and moving > room:
             victim = holders.pop()  # the youngest
             moving -= sum(b >= drain for b in victim.blocks)
             self._preempt(victim)
             room = self.kv.available_blocks()
-        if not holders or moving > room:
+        if not holders:
             return
         try:
             targets = iter(self.kv.alloc_nowait(moving))
@@ -737,10 +744,13 @@ class Engine:
                     sources.append(block)
                     destinations.append(request.blocks[index])
         self.kv.copy(sources, destinations)  # every layer's K and V, one launch
+        if self._on_cuda:
+            # NOTE: wait for the copy (no step runs now; it is one launch): the sources may then
+            # be unmapped at once, and so may the destinations if their request is preempted
+            # or aborted before the next step (a free() without a fence, as everywhere here).
+            torch.cuda.current_stream(self.model.device).synchronize()
         self._counts["moved_blocks"] += len(sources)
-        # On cuda the copy is queued on the current stream: its pages stay mapped until it ran.
-        after = torch.cuda.current_stream(self.model.device) if self._on_cuda else None
-        self.kv.free(sources, after=after)
+        self.kv.free(sources)
 
     def _drop_grow(self, request: _Request) -> None:
         task, request.grow = request.grow, None
@@ -781,8 +791,11 @@ class Engine:
             # patience, after which _collect_grows preempts the youngest).
             growing = [r.grow for r in self._running if r.grow is not None]
             if growing:
+                # Not past any deadline either: _expire must fail that request on time.
+                deadlines = [r.deadline for r in (*self._running, *self._waiting)]
+                wait = min(self._patience, min(deadlines) - self._loop.time())
                 await asyncio.wait(
-                    growing, timeout=self._patience, return_when=asyncio.FIRST_COMPLETED
+                    growing, timeout=max(0.0, wait), return_when=asyncio.FIRST_COMPLETED
                 )
                 self._collect_grows()
             return
