@@ -695,12 +695,16 @@ class Engine:
             if error is None:
                 request.blocks.extend(task.result())
                 self._admit_paused = False  # memory arrived
+            elif isinstance(error, AllocTimeout):
+                pass  # its deadline passed: _expire fails it
             elif isinstance(error, OutOfBlocks) and len(self._running) > 1:
                 self._preempt(self._youngest())
-            elif isinstance(error, KVAsyncError) and not isinstance(error, AllocTimeout):
-                need = self._blocks_needed(request)
-                self._finish(request, _failure(request, need, error))
-            # AllocTimeout: its deadline passed; _expire fails it.
+            elif isinstance(error, KVAsyncError):  # can never fit alone, MapError, closed
+                self._finish(request, _failure(request, self._blocks_needed(request), error))
+            else:  # a bug: fail the request with it rather than ask again forever
+                self._finish(
+                    request, RequestFailed(f"growing request {request.request_id}: {error!r}")
+                )
         if overdue and len(self._running) > 1:
             self._preempt(self._youngest())
 
