@@ -715,8 +715,8 @@ class Engine:
         too: requeued, it is readmitted when memory allows, or fails with RequestFailed if the
         lowered limit can never hold it."""
         drain = self.kv.drain_from()
-        if drain is None:
-            return
+        if drain is None or not any(r.blocks and max(r.blocks) >= drain for r in self._running):
+            return  # nothing of ours there: the draining pages go back as they empty
         # Grows are asked again after the move: a waiting one holds blocks back from it. Its
         # cancellation reaches the allocator when the task runs, so wait for that first.
         growing = [r.grow for r in self._running if r.grow is not None]
