@@ -1196,7 +1196,6 @@ void PagePool::on_share_tick(ShareMember& member) {
   if (target != config_.limit_pages && (requested < 0 || target != own_limit)) {
     apply_share_limit(target, /*fail_too_big=*/false);
   }
-  plan_drain();  // pages unmapped since the limit was set leave fewer to drain (Note [Drain])
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();
   plan_maps();
