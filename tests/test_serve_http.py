@@ -1,10 +1,13 @@
 """The HTTP server, started for real on a free port, driven by the real ``openai`` client."""
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -12,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 
+from kvasync import ledger
 from kvasync.serve import EngineConfig
 from kvasync.serve._http import create_app
 
@@ -86,13 +90,22 @@ def test_health_and_metrics(base_url: str) -> None:
     assert "kvasync_mapped_bytes" in metrics  # the allocator's collector (kvasync.metrics)
 
 
-def test_python_m_kvasync_serve_starts_and_answers() -> None:
+def _free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()  # NOTE: a small race with other processes for the port; the test then fails
+    return int(port)
+
+
+@contextlib.contextmanager
+def _kvasync_serve(*options: str) -> Iterator[str]:
+    """``python -m kvasync serve`` as a process, on a free port, until it answers /health."""
+    port = _free_port()
     command = [sys.executable, "-m", "kvasync", "serve", "--preset", "tiny", "--port", str(port)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -103,12 +116,42 @@ def test_python_m_kvasync_serve_starts_and_answers() -> None:
                     break
             except httpx.TransportError:
                 time.sleep(0.05)  # not listening yet: poll again (bounded by the deadline)
-        result = _client(f"http://127.0.0.1:{port}").completions.create(
-            model=MODEL, prompt="cli", max_tokens=3
-        )
-        assert len(result.choices[0].text) == 3
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(timeout=15)
         if server.stdout is not None:
             server.stdout.close()
+
+
+def test_python_m_kvasync_serve_starts_and_answers() -> None:
+    with _kvasync_serve() as url:
+        result = _client(url).completions.create(model=MODEL, prompt="cli", max_tokens=3)
+        assert len(result.choices[0].text) == 3
+
+
+def test_two_servers_share_one_device_budget() -> None:
+    # Co-location as an operator runs it: two `kvasync serve` processes naming one share.
+    share = f"test-serve-{uuid.uuid4().hex[:12]}"
+    options = ("--share", share, "--device-budget", "4MiB")
+    try:
+        with (
+            _kvasync_serve(*options, "--name", "engine-a") as a,
+            _kvasync_serve(*options, "--name", "engine-b") as b,
+        ):
+            for url in (a, b):
+                result = _client(url).completions.create(model=MODEL, prompt="co", max_tokens=3)
+                assert len(result.choices[0].text) == 3
+            entries = ledger.snapshot(share)
+            assert sorted(e.name for e in entries) == ["engine-a", "engine-b"]
+            assert ledger.budget(entries) == 4 << 20
+            assert sum(e.committed_bytes for e in entries) <= 4 << 20
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ledger.path(share))
+
+
+def test_serve_refuses_a_device_budget_without_a_share() -> None:
+    command = [sys.executable, "-m", "kvasync", "serve", "--device-budget", "1GiB"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--device-budget needs --share" in done.stderr

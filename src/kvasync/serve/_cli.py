@@ -28,6 +28,17 @@ __all__ = ["demo_command", "serve_command"]
 @click.option(
     "--request-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.001)
 )
+@click.option(
+    "--share",
+    default=None,
+    help="co-location: share one device budget with the other engines that name this share.",
+)
+@click.option(
+    "--device-budget",
+    default=None,
+    help="with --share: bytes the share's engines may map together (12GiB, 512MiB, ...).",
+)
+@click.option("--name", default="kvasync-serve", show_default=True, help="name in the share.")
 def serve_command(
     preset: str,
     host: str,
@@ -37,12 +48,22 @@ def serve_command(
     memory_limit_mib: int | None,
     max_batch: int,
     request_timeout: float,
+    share: str | None,
+    device_budget: str | None,
+    name: str,
 ) -> None:
     """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions)."""
     import uvicorn
 
+    from .._ledger_cli import parse_size
     from ._http import create_app
 
+    if device_budget is not None and share is None:
+        raise click.BadParameter("--device-budget needs --share", param_hint="--device-budget")
+    try:
+        budget = None if device_budget is None else parse_size(device_budget)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--device-budget") from None
     try:
         config = EngineConfig(
             preset=preset,
@@ -51,6 +72,9 @@ def serve_command(
             memory_limit=None if memory_limit_mib is None else memory_limit_mib << 20,
             max_batch=max_batch,
             request_timeout=request_timeout,
+            share=share,
+            device_budget=budget,
+            name=name,
         )
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
