@@ -659,9 +659,8 @@ class Engine:
                 request.grow = asyncio.ensure_future(self.kv.alloc(need, deadline=request.deadline))
                 request.grow_since = self._loop.time()
         if any(r.grow is not None for r in self._running):
-            await asyncio.sleep(
-                0
-            )  # an alloc that finds its blocks free completes in its first step
+            # An alloc that finds its blocks free completes in its task's first step.
+            await asyncio.sleep(0)
             self._collect_grows()
 
     async def _grow_alone(self, request: _Request, need: int) -> None:
