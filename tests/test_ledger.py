@@ -437,10 +437,15 @@ def test_default_share_follows_cuda_visible_devices(monkeypatch: pytest.MonkeyPa
         ledger.default_share(1)
 
 
-async def test_two_allocators_of_one_process_share_one_budget(share: str) -> None:
-    config = kvasync.Config(
-        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=4 * PAGE
+def no_reserve_config(share: str, budget: int) -> kvasync.Config:
+    """A host allocator of the share without a reserve: pages map only for requests."""
+    return kvasync.Config(
+        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=budget
     )
+
+
+async def test_two_allocators_of_one_process_share_one_budget(share: str) -> None:
+    config = no_reserve_config(share, 4 * PAGE)
     async with (
         kvasync.open_allocator(LAYOUT, config) as first,
         kvasync.open_allocator(LAYOUT, config) as second,
@@ -462,9 +467,7 @@ async def test_an_allocator_above_its_fair_share_gives_memory_back_to_one_short_
 ) -> None:
     # Note [Fair share under pressure]: without it, `first` recycles the blocks it frees for its
     # own next request (they are still mapped) and `second` waits for memory that never comes.
-    config = kvasync.Config(
-        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=8 * PAGE
-    )
+    config = no_reserve_config(share, 8 * PAGE)
     loop = asyncio.get_running_loop()
     async with (
         kvasync.open_allocator(LAYOUT, config) as first,
@@ -494,9 +497,7 @@ async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_i
 ) -> None:
     # Note [Drain] with Note [Fair share under pressure]: `first` holds the whole budget with
     # blocks in use on every page, so the fair-share limit alone would give nothing back.
-    config = kvasync.Config(
-        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=8 * PAGE
-    )
+    config = no_reserve_config(share, 8 * PAGE)
     async with (
         kvasync.open_allocator(LAYOUT, config) as first,
         kvasync.open_allocator(LAYOUT, config) as second,
@@ -521,9 +522,7 @@ async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_i
 async def test_an_alloc_larger_than_the_whole_budget_of_the_share_fails_at_once(
     share: str,
 ) -> None:
-    config = kvasync.Config(
-        backend="host", max_blocks=64, reserve_pages=(0, 0), share=share, device_budget=4 * PAGE
-    )
+    config = no_reserve_config(share, 4 * PAGE)
     loop = asyncio.get_running_loop()
     async with kvasync.open_allocator(LAYOUT, config) as kv:
         start = loop.time()
