@@ -14,7 +14,7 @@
    Each beside its floor: the bare driver calls for the same handles, on a reservation as large
    as the allocator's, sampled between the allocator's runs (the driver's speed drifts within a
    run) and reduced the same way (medians).
-3. Where the time of a fresh alloc goes, from the core's trace points (csrc/trace.h).
+3. Where the time of a fresh alloc goes, from the core's trace points (csrc/common/trace.h).
 4. The reference allocator's figures (kvcached e8e6406, from issue 8): measured on the same GPU
    model on 2026-11-30, NOT in this run.
 
@@ -307,7 +307,7 @@ def main() -> None:
     print()
 
     print("## 3. Where a fresh alloc's time goes: median us after the alloc call at each point of")
-    print("csrc/trace.h ('resumed': the awaiting task has its blocks)")
+    print("csrc/common/trace.h ('resumed': the awaiting task has its blocks)")
     print()
     for fig in results["cases"]:
         for name, trace in fig["trace"].items():

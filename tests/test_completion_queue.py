@@ -1,7 +1,8 @@
-"""Completions taken by spinning (csrc/completion_queue.h, PagePool::take_completion).
+"""Completions taken by spinning (csrc/pool/completion_queue.h, PagePool::take_completion).
 
 An awaited request whose map the mapper expects to finish soon is awaited by spinning for its
-own record (Note [Spinning wake-up] in csrc/wakeup.h); every other record stays queued for the
+own record (Note [Spinning wake-up] in csrc/common/wakeup.h); every other record stays queued for
+the
 loop's drain, and a record that has not come is left to the loop too.
 """
 

@@ -1,4 +1,4 @@
-"""The cuda backend (csrc/cuda_backend.cpp): what only a GPU can show.
+"""The cuda backend (csrc/backends/cuda_backend.cpp): what only a GPU can show.
 
 The allocator's contract runs on cuda too (tests/test_allocator.py, the ``backend_name`` fixture);
 here: views read by torch kernels, unmap safety under running kernels, memory really returned,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvasync._demo import DemoOptions, format_report, run_demo
+from kvasync.simulate import DemoOptions, format_report, run_demo
 
 TINY = DemoOptions(
     requests=40, concurrency=20, memory_limit_mib=8, seconds=10.0, token_time_ms=0.5, seed=1

@@ -1,4 +1,4 @@
-"""The share ledger (csrc/ledger.h, Note [Share ledger]) with real processes on one budget.
+"""The share ledger (csrc/ledger/ledger.h, Note [Share ledger]) with real processes on one budget.
 
 Each worker is a child process (tests/share_worker.py) driven over JSON lines; the test reads the
 ledger from outside, as ``kvasync top`` does. Nothing sleeps to let things settle: each step waits
@@ -28,8 +28,8 @@ from conftest import wait_until
 
 import kvasync
 from kvasync import ledger
-from kvasync.__main__ import main as cli
-from kvasync._ledger_cli import format_bytes, parse_size
+from kvasync.cli import main as cli
+from kvasync.share._cli import format_bytes, parse_size
 
 WORKER = Path(__file__).with_name("share_worker.py")
 PAGE = 2 << 20  # share_worker.PAGE_SIZE: 4 blocks per page

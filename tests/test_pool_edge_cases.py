@@ -78,7 +78,7 @@ def alloc_now(pool: _core.PagePool, n: int, timeout: float = 10.0) -> list[int]:
     return blocks
 
 
-# -- PageSet (csrc/page_set.h) at word and summary boundaries: regression, passes -------------
+# -- PageSet (csrc/pool/page_set.h) at word and summary boundaries: regression, passes -------------
 
 BOUNDARY_PAGES = [0, 1, 62, 63, 64, 65, 127, 128, 4031, 4032, 4095, 4096, 4097, 4159, 4160]
 BOUNDARY_PAGES += [8190, 8191, 8192, 8193, 8299]

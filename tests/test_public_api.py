@@ -47,7 +47,7 @@ def test_the_version_has_one_source_and_the_cli_reports_it():
 
     from click.testing import CliRunner
 
-    from kvasync.__main__ import main
+    from kvasync.cli import main
 
     assert kvasync.__version__ == importlib.metadata.version("kvasync")
     result = CliRunner().invoke(main, ["--version"])

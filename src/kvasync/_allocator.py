@@ -36,20 +36,21 @@ from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
-from ._share import join_share
+from ._share_names import join_share
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "open_allocator"]
 
 
-# Completion statuses (csrc/completion_queue.h).
+# Completion statuses (csrc/pool/completion_queue.h).
 _OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
 # What close() allows, beyond its timeout, for the unmaps that follow the mapper's join.
 _CLOSE_GRACE_S = 5.0
 # An awaited request whose map (or trim) the mapper expects to finish within this many seconds is
 # awaited by spinning for its completion, the GIL released, instead of sleeping until the loop is
 # woken: on a VM that wake-up costs 20-40 us, a third of a cold map (Note [Spinning wake-up] in
-# csrc/wakeup.h; bench/bench_map.py). The loop is held that long at most; longer work is awaited.
+# csrc/common/wakeup.h; bench/bench_map.py). The loop is held that long at most; longer work is
+# awaited.
 _SPIN_S = 250e-6
 
 

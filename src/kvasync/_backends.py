@@ -154,7 +154,7 @@ def buffer_views(layout: KVLayout, backend: _core.Backend, num_blocks: int) -> l
 def make_fence(backend: _core.Backend, after: object) -> int:
     """A fence handle for ``free(ids, after=...)``: device work that still uses the blocks.
 
-    The pool takes ownership of the handle (Note [Unmap safety] in csrc/page_pool.h).
+    The pool takes ownership of the handle (Note [Unmap safety] in csrc/pool/page_pool.h).
 
     Raises:
         ValueError: ``after`` is given on a backend without device work, or is not a stream or

@@ -115,7 +115,7 @@ class Config:
         self._check_share()
 
     def _check_share(self) -> None:
-        from ._share import check_share
+        from ._share_names import check_share
 
         if self.share is not None:
             check_share(self.share, "Config.share")

@@ -1,4 +1,4 @@
-"""Type stub of kvasync's C++ core (csrc/bindings.cpp)."""
+"""Type stub of kvasync's C++ core (csrc/bindings/bindings.cpp)."""
 
 from typing import Any
 
@@ -67,7 +67,7 @@ class PagePool:
 
 def spin_holding_gil(pool: PagePool, reserve_pages: int, timeout_s: float) -> bool: ...
 
-# -- cuda backend (csrc/bind_cuda.cpp) --------------------------------------------------------
+# -- cuda backend (csrc/bindings/bind_cuda.cpp) ----------------------------------------------------
 
 class CudaBackend(Backend):
     def __init__(
@@ -108,7 +108,7 @@ def trace_points() -> dict[str, int]: ...
 def backend_time_map(backend: Backend, first: int, count: int) -> float: ...
 def backend_time_unmap(backend: Backend, first: int, count: int) -> float: ...
 
-# -- share ledger (csrc/bind_ledger.cpp) ------------------------------------------------------
+# -- share ledger (csrc/bindings/bind_ledger.cpp) --------------------------------------------------
 
 class ShareMember:
     def __init__(self, path: str, name: str, budget_bytes: int, page_bytes: int) -> None: ...

@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AllocatorStats"]
+import numpy as np
+
+__all__ = ["AllocatorStats", "percentile"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, interpolated linearly (numpy's default).
+
+    The one definition of a percentile in kvasync: the serving report, the simulation and the
+    benchmarks all use it, so their p50 and p99 mean the same thing.
+
+    Args:
+        values: the samples, in any order.
+        q: the percentile, from 0 to 100.
+
+    Returns:
+        The percentile, or NaN when there are no samples.
+
+    Raises:
+        ValueError: ``q`` is outside [0, 100].
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within [0, 100], got {q}")
+    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 @dataclass(frozen=True)

@@ -54,11 +54,11 @@
 #include <unordered_set>
 #include <vector>
 
-#include "errors.h"
-#include "fault_backend.h"
-#include "host_backend.h"
-#include "page_pool.h"
-#include "wakeup.h"
+#include "common/errors.h"
+#include "backends/fault_backend.h"
+#include "backends/host_backend.h"
+#include "pool/page_pool.h"
+#include "common/wakeup.h"
 
 namespace {
 

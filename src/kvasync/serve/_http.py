@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 
-from ..metrics import register as register_kv_metrics
+from ..integrations.metrics import register as register_kv_metrics
 from ._engine import Engine, EngineConfig
 from ._errors import DeadlineExceeded, EngineClosed, RequestFailed
 

@@ -1,6 +1,6 @@
-"""Share names and ledger paths (csrc/ledger.h, Note [Share ledger]).
+"""Share names and ledger paths (csrc/ledger/ledger.h, Note [Share ledger]).
 
-Private: the allocator joins a share through here; the public face is ``kvasync.ledger``.
+Private: the allocator joins a share through here; the public face is ``kvasync.share``.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from . import ledger
-from ._errors import KVAsyncError
+from .._errors import KVAsyncError
+from . import _ledger as ledger
 
 __all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
 

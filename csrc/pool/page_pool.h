@@ -108,11 +108,11 @@
 #include <variant>
 #include <vector>
 
-#include "backend.h"
-#include "completion_queue.h"
-#include "ledger.h"
-#include "mapper.h"
-#include "page_set.h"
+#include "backends/backend.h"
+#include "pool/completion_queue.h"
+#include "ledger/ledger.h"
+#include "pool/mapper.h"
+#include "pool/page_set.h"
 
 namespace kvasync {
 

@@ -26,10 +26,10 @@ from typing import TextIO
 import click
 import torch
 
-from ._allocator import Allocator, open_allocator
-from ._config import Config
-from ._errors import AllocTimeout, KVAsyncError
-from ._layout import KVLayout
+from .._allocator import Allocator, open_allocator
+from .._config import Config
+from .._errors import AllocTimeout, KVAsyncError
+from .._layout import KVLayout
 
 __all__ = ["DemoOptions", "DemoReport", "format_report", "run_demo", "simulate_command"]
 
@@ -286,7 +286,7 @@ class _Simulation:
         """Waits until admission would let a preempted request in again, at most a few seconds.
 
         Restarting at once would put its prefill at the head of the allocator's FIFO, where it
-        would hold up every decode behind it (Note [Waiters] in csrc/page_pool.h).
+        would hold up every decode behind it (Note [Waiters] in csrc/pool/page_pool.h).
         """
         give_up = self.loop.time() + 4 * self.options.alloc_timeout
         self.committed_blocks -= blocks

@@ -51,8 +51,8 @@
 #include <thread>
 #include <vector>
 
-#include "backend.h"
-#include "cuda_driver.h"
+#include "backends/backend.h"
+#include "backends/cuda_driver.h"
 
 namespace kvasync {
 

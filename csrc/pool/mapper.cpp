@@ -1,12 +1,12 @@
-#include "mapper.h"
+#include "pool/mapper.h"
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
 #include <string>
 
-#include "page_pool.h"
-#include "trace.h"
+#include "pool/page_pool.h"
+#include "common/trace.h"
 
 namespace kvasync {
 namespace {

@@ -1,4 +1,4 @@
-#include "page_pool.h"
+#include "pool/page_pool.h"
 
 #include <algorithm>
 #include <cassert>
@@ -9,8 +9,8 @@
 #include <thread>
 #include <utility>
 
-#include "errors.h"
-#include "trace.h"
+#include "common/errors.h"
+#include "common/trace.h"
 
 namespace kvasync {
 namespace {

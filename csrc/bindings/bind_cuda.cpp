@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
-#include "cuda_backend.h"
-#include "errors.h"
-#include "trace.h"
+#include "backends/cuda_backend.h"
+#include "common/errors.h"
+#include "common/trace.h"
 
 namespace py = pybind11;
 using namespace kvasync;

@@ -1,4 +1,4 @@
-#include "host_backend.h"
+#include "backends/host_backend.h"
 
 #include <fcntl.h>
 #include <linux/falloc.h>
@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "errors.h"
+#include "common/errors.h"
 
 namespace kvasync {
 namespace {

@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "backend.h"
-#include "wakeup.h"
+#include "backends/backend.h"
+#include "common/wakeup.h"
 
 namespace kvasync {
 

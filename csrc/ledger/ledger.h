@@ -71,8 +71,8 @@
 #include <thread>
 #include <vector>
 
-#include "errors.h"
-#include "wakeup.h"
+#include "common/errors.h"
+#include "common/wakeup.h"
 
 namespace kvasync {
 

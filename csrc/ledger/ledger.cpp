@@ -1,4 +1,4 @@
-#include "ledger.h"
+#include "ledger/ledger.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -19,7 +19,7 @@
 #include <random>
 #include <sstream>
 
-#include "page_pool.h"
+#include "pool/page_pool.h"
 
 namespace kvasync {
 namespace {

@@ -1,4 +1,4 @@
-#include "cuda_backend.h"
+#include "backends/cuda_backend.h"
 
 #include <algorithm>
 #include <chrono>
@@ -6,8 +6,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "errors.h"
-#include "trace.h"
+#include "common/errors.h"
+#include "common/trace.h"
 
 namespace kvasync {
 namespace {

@@ -15,7 +15,7 @@
 
 #include <vector>
 
-#include "backend.h"
+#include "backends/backend.h"
 
 namespace kvasync {
 

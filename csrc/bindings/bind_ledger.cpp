@@ -1,10 +1,10 @@
-// Python bindings of the share ledger (csrc/ledger.h): kvasync._core.Ledger*, ShareMember.
+// Python bindings of the share ledger (csrc/ledger/ledger.h): kvasync._core.Ledger*, ShareMember.
 //
 // Every call that takes the ledger lock releases the GIL first (it waits, with a deadline).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "ledger.h"
+#include "ledger/ledger.h"
 
 namespace py = pybind11;
 using namespace kvasync;

@@ -18,7 +18,7 @@
 #include <atomic>
 #include <memory>
 
-#include "backend.h"
+#include "backends/backend.h"
 
 namespace kvasync {
 

@@ -9,10 +9,10 @@
 #include <chrono>
 #include <thread>
 
-#include "errors.h"
-#include "fault_backend.h"
-#include "host_backend.h"
-#include "page_pool.h"
+#include "common/errors.h"
+#include "backends/fault_backend.h"
+#include "backends/host_backend.h"
+#include "pool/page_pool.h"
 
 namespace py = pybind11;
 using namespace kvasync;

@@ -1,4 +1,4 @@
-#include "completion_queue.h"
+#include "pool/completion_queue.h"
 
 #include <sys/eventfd.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "fault_backend.h"
+#include "backends/fault_backend.h"
 
 #include <chrono>
 #include <string>

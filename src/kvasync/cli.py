@@ -1,0 +1,59 @@
+"""The command line: ``kvasync COMMAND`` (or ``python -m kvasync COMMAND``).
+
+Each command lives in the subpackage it belongs to; this group only names them, and imports a
+command's module when that command runs, so ``--help`` and ``--version`` load none of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from . import __version__
+
+__all__ = ["main"]
+
+# command name -> (module, attribute) of its click command
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "simulate": ("kvasync.simulate", "simulate_command"),
+    "demo": ("kvasync.serve._cli", "demo_command"),
+    "serve": ("kvasync.serve._cli", "serve_command"),
+    "top": ("kvasync.share._cli", "top_command"),
+    "ls": ("kvasync.share._cli", "ls_command"),
+    "limit": ("kvasync.share._cli", "limit_command"),
+}
+_SUMMARIES = {
+    "simulate": "A simulated serving load over one allocator, rising and falling.",
+    "demo": "Serve a burst of concurrent requests with the tiny model.",
+    "serve": "Serve the reference engine over HTTP (OpenAI-compatible).",
+    "top": "Show every allocator on a device share, refreshing until ^C.",
+    "ls": "List every allocator on a device share once.",
+    "limit": "Set the memory limit of a process's allocators.",
+}
+
+
+class _LazyGroup(click.Group):
+    """A group whose commands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _COMMANDS:
+            return None
+        module, attribute = _COMMANDS[cmd_name]
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command), f"bug: {module}.{attribute} is not a command"
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # The summaries are written here so that --help does not import every command's module.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, _SUMMARIES[name]) for name in _COMMANDS])
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="kvasync")
+def main() -> None:
+    """kvasync: an elastic, virtual-memory-backed paged KV-cache allocator."""

@@ -1,0 +1,147 @@
+"""The share ledger: every allocator on one device, seen and limited from any process.
+
+Allocators join a share with ``Config(share=..., device_budget=...)``; together they never map
+more than the budget (csrc/ledger/ledger.h, Note [Share ledger]). This module reads the ledger and
+sets
+limits from outside: it is what ``kvasync top``, ``kvasync ls`` and ``kvasync limit`` use.
+
+    >>> from kvasync import ledger
+    >>> for entry in ledger.snapshot(ledger.default_share(0)):
+    ...     print(entry.pid, entry.name, entry.mapped_bytes, entry.limit_bytes)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import _core
+from .._share_names import check_share, default_share, ledger_path
+
+__all__ = ["LedgerEntry", "budget", "default_share", "path", "set_limit", "snapshot"]
+
+DEFAULT_TIMEOUT = 2.0  # seconds to wait for the ledger's lock
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One allocator of a share, as its watcher last published it (every 100 ms or sooner).
+
+    ``committed_bytes`` is exact (what counts against the budget: pages mapping, mapped and
+    unmapping); the other byte figures are the allocator's last published view.
+    """
+
+    pid: int
+    name: str
+    mapped_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    committed_bytes: int
+    limit_bytes: int
+    budget_bytes: int  # this allocator's device_budget; 0 = none of its own
+    page_bytes: int
+    waiters: int
+    blocked: int  # waiters short of the share's budget
+    op: str  # what its mapper is doing ("" when idle)
+    op_age_s: float
+    serial: int  # tells apart allocators of one process
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a JSON-ready dict."""
+        return asdict(self)
+
+
+def path(share: str) -> str:
+    """The file behind share ``share`` (in /dev/shm).
+
+    Raises:
+        TypeError, ValueError: ``share`` is not a valid share name.
+    """
+    return ledger_path(share)
+
+
+def snapshot(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> list[LedgerEntry]:
+    """Every live allocator of ``share``; the entries of dead processes are reclaimed first.
+
+    Args:
+        share: the share's name.
+        timeout: seconds to wait for the ledger's lock.
+
+    Returns:
+        The entries, in ledger slot order.
+
+    Raises:
+        ValueError, TypeError: a bad share name or timeout.
+        KVAsyncError: no ledger for the share, or its file is corrupt, of another version,
+            truncated, or its lock stayed taken past the timeout.
+    """
+    check_share(share)
+    rows = _core.ledger_snapshot(ledger_path(share), _check_timeout(timeout))
+    return [
+        LedgerEntry(
+            pid=row["pid"],
+            name=row["name"],
+            mapped_bytes=row["mapped_bytes"],
+            reserved_bytes=row["reserved_bytes"],
+            used_bytes=row["used_bytes"],
+            committed_bytes=row["committed_bytes"],
+            limit_bytes=row["limit_bytes"],
+            budget_bytes=row["budget_bytes"],
+            page_bytes=row["page_bytes"],
+            waiters=row["waiters"],
+            blocked=row["blocked"],
+            op=row["op"],
+            op_age_s=row["op_age_s"],
+            serial=row["serial"],
+        )
+        for row in rows
+    ]
+
+
+def budget(entries: list[LedgerEntry]) -> int | None:
+    """The share's budget as the allocators of ``entries`` set it (the smallest), or None."""
+    budgets = [e.budget_bytes for e in entries if e.budget_bytes > 0]
+    return min(budgets) if budgets else None
+
+
+def set_limit(share: str, pid: int, limit: int | None, *, timeout: float = DEFAULT_TIMEOUT) -> int:
+    """Sets the memory limit of every allocator of process ``pid`` on ``share``.
+
+    The allocators apply it in the background within about 100 ms: above it, they map nothing
+    more, unmap their free pages at once and give back pages as blocks are freed; blocks in use
+    are never touched. Raised again, they grow again.
+
+    Args:
+        share: the share's name.
+        pid: the process.
+        limit: bytes (rounded down to whole pages), or None to go back to each allocator's
+            configured limit.
+        timeout: seconds to wait for the ledger's lock.
+
+    Returns:
+        How many allocators took the limit.
+
+    Raises:
+        ValueError: ``pid`` has no allocator on the share, or ``limit`` is below one page.
+        KVAsyncError: the ledger is unusable (see ``snapshot``).
+    """
+    check_share(share)
+    if type(pid) is not int or pid <= 0:
+        raise ValueError(f"pid must be a positive int, got {pid!r}")
+    if limit is not None and (type(limit) is not int or limit <= 0):
+        raise ValueError(f"limit must be a positive int of bytes or None, got {limit!r}")
+    count = _core.ledger_set_limit(ledger_path(share), pid, limit or 0, _check_timeout(timeout))
+    if count == 0:
+        raise ValueError(f"process {pid} has no allocator on share {share!r}")
+    return count
+
+
+def _check_timeout(timeout: float) -> float:
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
+    return float(timeout)
+
+
+# Re-exported: the documented way to name a device's share.
+default_share = default_share
