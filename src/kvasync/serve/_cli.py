@@ -55,7 +55,7 @@ def serve_command(
     """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions)."""
     import uvicorn
 
-    from ..share._cli import parse_size
+    from .._sizes import parse_size
     from ._http import create_app
 
     if device_budget is not None and share is None:

@@ -1,14 +1,14 @@
 """``kvasync top``, ``kvasync ls`` and ``kvasync limit``: the share ledger from the command line.
 
-Registered on the ``kvasync`` group in ``__main__.py``. Each takes ``--share NAME`` (default: the
-``KVASYNC_SHARE`` environment variable, else ``kvasync.ledger.default_share(0)``).
+Named by the ``kvasync`` command group (``kvasync/cli.py``), which imports this module when one of
+them runs. Each takes ``--share NAME`` (default: the ``KVASYNC_SHARE`` environment variable, else
+``kvasync.share.default_share(0)``). Sizes are read and written by ``kvasync._sizes``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import time
 
 import click
@@ -18,56 +18,13 @@ from rich.table import Table
 from rich.text import Text
 
 from .._errors import KVAsyncError
+from .._sizes import format_bytes as format_bytes
+from .._sizes import parse_size as parse_size
 from . import _ledger as ledger
 
 __all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
 
 STALLED_AFTER_S = 1.0  # a mapper op older than this is shown as stalled
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"12GiB"``, ``"512MiB"``, ``"1.5G"`` (binary), ``"2GB"`` (decimal), ``"4096"``.
-
-    Raises:
-        ValueError: not a size, or a size below one byte.
-    """
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 12GiB, 512MiB, 1.5G, 4096)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"a size must be at least one byte, got {text!r}")
-    return value
-
-
-def format_bytes(value: int | None) -> str:
-    """``1.5 GiB``, ``512 MiB``, ``0 B``; ``-`` for None."""
-    if value is None:
-        return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def _default_share() -> str:
