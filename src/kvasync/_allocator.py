@@ -31,19 +31,15 @@ from typing import Any
 
 import torch
 
-from . import _core, _log, _loops, _validate
+from . import _core, _log, _loops, _share_names, _validate
 from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
-from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks, WouldBlock
+from ._errors import AllocatorClosed, AllocTimeout, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
-from ._share_names import join_share
 from ._stats import AllocatorStats
 
-__all__ = ["Allocator", "open_allocator"]
+__all__ = ["Allocator", "driver_port", "open_allocator"]
 
-
-# Completion statuses (csrc/pool/completion_queue.h).
-_OK, _MAP_ERROR, _OUT_OF_BLOCKS, _CLOSED = 0, 1, 2, 3
 # What close() allows, beyond its timeout, for the unmaps that follow the mapper's join.
 _CLOSE_GRACE_S = 5.0
 # An awaited request whose map (or trim) the mapper expects to finish within this many seconds is
@@ -123,7 +119,7 @@ class Allocator:
             config.default_timeout,
             block_bytes=layout.range_block_bytes,
             page_bytes=page_size,
-            share=join_share(config, self._backend, self._page_bytes),
+            share=self._join_share(),
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
@@ -131,7 +127,12 @@ class Allocator:
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
         # Trio tasks and threads wait on slots (Note [Slots] in _loops); `loop` is None on trio.
-        self._slots = _loops.SlotTable()
+        pool = self._pool
+        self._slots = _loops.SlotTable(
+            cancel=lambda request: pool.cancel(request, False),
+            free=pool.free,
+            timeout_error=self._timeout_error,
+        )
         self._loop_thread = threading.get_ident()  # where completions drain (opened there)
         self._trio: _loops.TrioDriver | None = None
         self._library = "asyncio"
@@ -143,6 +144,8 @@ class Allocator:
         if loop is not None:
             loop.add_reader(self._fd, self._on_completions)
             self._stall_timer = loop.call_later(self._stall_period, self._stall_tick)
+        # What the drivers (_loops, _sync) get of this allocator (Note [Drivers] in _loops).
+        self._port = _DriverPort(self)
         _log.log_open(self)
 
     @classmethod
@@ -166,7 +169,7 @@ class Allocator:
         if _loops.current_library() == "trio":
             allocator = cls(layout, config, None)
             allocator._library = "trio"
-            allocator._trio = _loops.TrioDriver(allocator)
+            allocator._trio = _loops.TrioDriver(allocator._port)
             return allocator
         return cls(layout, config, asyncio.get_running_loop())
 
@@ -532,7 +535,7 @@ class Allocator:
         self._on_completions(closed=True)
         for request in list(self._pending):
             self._settle(request, AllocatorClosed("the allocator was closed"), None)
-        self._close_slots()
+        self._slots.close()
 
     async def _close_pool(self, wait: float) -> None:
         # pool.close releases the GIL and waits for the mapper at most `wait` (at least 1 s for
@@ -574,6 +577,18 @@ class Allocator:
         await self.close()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _join_share(self) -> _core.ShareMember | None:
+        # The membership of config.share (Note [Share ledger] in csrc/ledger/ledger.h), or None.
+        config = self._config
+        if config.share is None:
+            return None
+        budget = config.device_budget
+        if budget is None and self._backend.name == "cuda":
+            total = torch.cuda.get_device_properties(config.device).total_memory
+            budget = int(total * config.gpu_utilization)
+        name = config.name or _share_names.default_name()
+        return _share_names.join(config.share, name, budget or 0, self._page_bytes)
 
     def _limit_pages(self, memory_limit: int | None) -> int:
         if memory_limit is None:
@@ -635,13 +650,10 @@ class Allocator:
 
     @staticmethod
     def _result_of(status: int, blocks: list[int], message: str) -> list[int]:
-        if status == _OK:
-            return blocks
-        if status == _MAP_ERROR:
-            raise MapError(message)
-        if status == _OUT_OF_BLOCKS:
-            raise OutOfBlocks(message)
-        raise AllocatorClosed(message or "the allocator was closed")
+        error = _loops.completion_error(status, message)
+        if error is not None:
+            raise error
+        return blocks
 
     def _abandon(self, request: int, future: asyncio.Future[list[int]]) -> None:
         # See Note [Futures and ownership].
@@ -697,49 +709,16 @@ class Allocator:
             # Nobody will use them: the request was abandoned (timed out or cancelled), or its
             # pages went with the close.
             self._pool.free(blocks)
-            status, message, blocks = _CLOSED, "the allocator was closed", []
+            status, message, blocks = _loops.CLOSED, "the allocator was closed", []
         if slot is not None:
             slot.deliver(status, blocks, message)
         elif pending:
-            self._settle(request, _error_for(status, message), blocks)
-
-    # -- waits on slots: trio tasks and threads (Note [Slots] in _loops) ---------------------
-
-    def _abandon_slot(self, request: int, slot: _loops.Slot) -> None:
-        with self._slots.lock:
-            if self._slots.slots.get(request) is slot:
-                del self._slots.slots[request]
-                self._pool.cancel(request, False)  # None: its record is queued; drain frees it
-                return
-        if slot.status == _OK and slot.blocks:
-            self._pool.free(slot.blocks)  # delivered, then abandoned: give them back
-
-    def _slot_timed_out(self, request: int, slot: _loops.Slot, what: str, waited: float) -> None:
-        with self._slots.lock:
-            if self._slots.slots.get(request) is not slot:
-                return  # delivered meanwhile: the result wins
-            del self._slots.slots[request]
-            error = self._timeout_error(request, what, waited)
-        raise error
-
-    @staticmethod
-    def _slot_result(slot: _loops.Slot) -> list[int]:
-        error = _error_for(slot.status, slot.message)
-        if error is not None:
-            raise error
-        return slot.blocks
-
-    def _close_slots(self) -> None:
-        # Requests the close left without a record (a trim's barrier): they fail too.
-        with self._slots.lock:
-            slots, self._slots.slots = self._slots.slots, {}
-        for slot in slots.values():
-            slot.deliver(_CLOSED, [], "the allocator was closed")
+            self._settle(request, _loops.completion_error(status, message), blocks)
 
     def _finish_close(self) -> None:
         # After pool.close: what completed during the close fails (its pages are gone).
         self._on_completions(closed=True)
-        self._close_slots()
+        self._slots.close()
 
     def _stall_tick(self) -> None:
         if self._closing is not None or self._loop is None:
@@ -785,14 +764,56 @@ def _none_missing(ids: list[int]) -> list[int]:
     return []
 
 
-def _error_for(status: int, message: str) -> Exception | None:
-    if status == _OK:
-        return None
-    if status == _MAP_ERROR:
-        return MapError(message)
-    if status == _OUT_OF_BLOCKS:
-        return OutOfBlocks(message)
-    return AllocatorClosed(message or "the allocator was closed")
+class _DriverPort:
+    """The allocator as its drivers see it (Note [Drivers] in _loops): ``_loops.CompletionSource``
+    for the trio drain, ``_sync.RequestSource`` for the blocking facade. Public methods over the
+    allocator's internals, so that no other module calls those."""
+
+    def __init__(self, allocator: Allocator) -> None:
+        self._kv = allocator
+        self._pool = allocator._pool
+        self.fd: int = allocator._fd
+        self.stall_period: float = allocator._stall_period
+        self.slots: _loops.SlotTable = allocator._slots
+        self.loop_thread: int = allocator._loop_thread
+        # The pool's bound method: a worker thread running it holds the pool, never the allocator.
+        self.close_pool: Callable[[float], object] = allocator._pool.close
+
+    def drain(self) -> None:
+        self._kv._on_completions()
+
+    def check_stall(self) -> None:
+        self._kv._check_stall()
+
+    def finish_close(self) -> None:
+        self._kv._finish_close()
+
+    def check_count(self, n: object) -> int:
+        return _check_count(n, self._kv.config.max_blocks)
+
+    def limit_pages(self, memory_limit: int | None) -> int:
+        return self._kv._limit_pages(memory_limit)
+
+    def start_alloc(self, n: int, due: float) -> list[int] | int:
+        return self._pool.alloc(n, due)
+
+    def start_trim(self, due: float) -> list[int] | int:
+        return self._pool.trim(due) or []
+
+    def start_resize(self, pages: int, due: float) -> list[int] | int:
+        return self._pool.set_limit_pages(pages, due) or []
+
+    def finish_alloc(self, blocks: list[int], waited: bool, started: float) -> None:
+        kv = self._kv
+        if kv._zero_on_alloc:
+            kv._zero_blocks(blocks)
+        if kv._observe is not None:
+            kv._observe(waited, time.perf_counter() - started)
+
+
+def driver_port(allocator: Allocator) -> _DriverPort:
+    """What a driver of ``allocator`` calls (Note [Drivers] in _loops); see ``_DriverPort``."""
+    return allocator._port
 
 
 @asynccontextmanager

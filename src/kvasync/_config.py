@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import _validate
+from ._share_names import check_share
 
 if TYPE_CHECKING:
     from .testing import FaultInjector
@@ -42,7 +43,7 @@ class Config:
         gpu_utilization: the share of the device's memory the reserve refill may fill up to
             (cuda backend).
         stall_warning: seconds a mapper op may run before the ``kvasync`` logger warns of it.
-        share: the name of a device share (``kvasync.ledger.default_share(device)`` for the
+        share: the name of a device share (``kvasync.share.default_share(device)`` for the
             common case) that this allocator joins: allocators of every process on that share
             keep their mapped bytes together within ``device_budget``, see each other in
             ``kvasync top``, and take limits set with ``kvasync limit``. None: no share.
@@ -115,8 +116,6 @@ class Config:
         self._check_share()
 
     def _check_share(self) -> None:
-        from ._share_names import check_share
-
         if self.share is not None:
             check_share(self.share, "Config.share")
         if self.device_budget is not None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ._allocator import Allocator
+from ._config import Config
+from ._layout import KVLayout
+from ._stats import AllocatorStats
 
-__all__ = ["StallWatch", "log_open", "logger"]
+__all__ = ["OpenedAllocator", "StallWatch", "log_open", "logger"]
 
 logger = logging.getLogger("kvasync")
 
@@ -22,7 +23,22 @@ def _mib(size: float) -> str:
     return f"{size / (1 << 20):g} MiB"
 
 
-def log_open(allocator: Allocator) -> None:
+class OpenedAllocator(Protocol):
+    """What the open line reads of an allocator (an ``Allocator``, without importing it)."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def stats(self) -> AllocatorStats: ...
+
+
+def log_open(allocator: OpenedAllocator) -> None:
     """The INFO line of an open: layout, backend, page size, capacity, limits, and the capacity
     a geometry loses to blocks across page boundaries (Note [Blocks and pages])."""
     if not logger.isEnabledFor(logging.INFO):

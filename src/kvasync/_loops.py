@@ -1,5 +1,13 @@
 """Loop plumbing: waits of trio tasks and of threads, and deadlines from cancel scopes.
 
+Note [Drivers]
+~~~~~~~~~~~~~~
+A driver -- the trio drain task here, the blocking facade in ``_sync`` -- is handed what it needs
+of an allocator as a ``CompletionSource`` (below): the eventfd to watch, the drain, the stall
+check, the slot table, the close. The allocator builds it (``_allocator._DriverPort``); a driver
+imports no allocator and calls none of its private methods, so the arrows between these modules
+point one way: ``_allocator`` -> ``_loops``.
+
 Note [Slots]
 ~~~~~~~~~~~~
 The asyncio path of ``Allocator`` keeps its futures, timers and ``add_reader`` (Note [Futures and
@@ -34,12 +42,37 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from ._allocator import Allocator
+from ._errors import AllocatorClosed, AllocTimeout, MapError, OutOfBlocks
 
-__all__ = ["Slot", "SlotTable", "TrioDriver", "current_library", "scope_deadline"]
+__all__ = [
+    "CLOSED",
+    "MAP_ERROR",
+    "OK",
+    "OUT_OF_BLOCKS",
+    "CompletionSource",
+    "Slot",
+    "SlotTable",
+    "TrioDriver",
+    "completion_error",
+    "current_library",
+    "scope_deadline",
+]
+
+# The status of a completion record (csrc/pool/completion_queue.h).
+OK, MAP_ERROR, OUT_OF_BLOCKS, CLOSED = 0, 1, 2, 3
+
+
+def completion_error(status: int, message: str) -> Exception | None:
+    """The error a completion record's status stands for; None for ``OK``."""
+    if status == OK:
+        return None
+    if status == MAP_ERROR:
+        return MapError(message)
+    if status == OUT_OF_BLOCKS:
+        return OutOfBlocks(message)
+    return AllocatorClosed(message or "the allocator was closed")
 
 
 class Slot:
@@ -60,11 +93,95 @@ class Slot:
 
 
 class SlotTable:
-    """The slots of one allocator, keyed by request id (Note [Slots])."""
+    """The slots of one allocator, keyed by request id (Note [Slots]).
 
-    def __init__(self) -> None:
+    Built by the allocator with what settling a request needs of its pool: ``cancel`` makes the
+    pool forget a waiter (a record already queued then frees its blocks in the drain), ``free``
+    gives blocks back, and ``timeout_error`` cancels a request at its deadline and returns the
+    ``AllocTimeout`` that says what it waited for.
+    """
+
+    def __init__(
+        self,
+        *,
+        cancel: Callable[[int], object],
+        free: Callable[[list[int]], object],
+        timeout_error: Callable[[int, str, float], AllocTimeout],
+    ) -> None:
         self.lock = threading.Lock()
         self.slots: dict[int, Slot] = {}
+        self._cancel = cancel
+        self._free = free
+        self._timeout_error = timeout_error
+
+    def abandon(self, request: int, slot: Slot) -> None:
+        """The waiter gives up (cancelled, interrupted): pending -> abandoned, or it frees the
+        blocks already delivered to it, which it will never return."""
+        with self.lock:
+            if self.slots.get(request) is slot:
+                del self.slots[request]
+                self._cancel(request)
+                return
+        if slot.status == OK and slot.blocks:
+            self._free(slot.blocks)  # delivered, then abandoned: give them back
+
+    def time_out(self, request: int, slot: Slot, what: str, waited: float) -> None:
+        """At the waiter's deadline: raises its ``AllocTimeout``, unless the result came first.
+
+        The caller drains the completions first, so a result already queued wins.
+        """
+        with self.lock:
+            if self.slots.get(request) is not slot:
+                return  # delivered meanwhile: the result wins
+            del self.slots[request]
+            error = self._timeout_error(request, what, waited)
+        raise error
+
+    def close(self) -> None:
+        """Fails every slot still waiting: requests the close left without a record (a trim's
+        barrier)."""
+        with self.lock:
+            slots, self.slots = self.slots, {}
+        for slot in slots.values():
+            slot.deliver(CLOSED, [], "the allocator was closed")
+
+    @staticmethod
+    def result(slot: Slot) -> list[int]:
+        """The blocks a filled slot holds, or the error its status stands for, raised."""
+        error = completion_error(slot.status, slot.message)
+        if error is not None:
+            raise error
+        return slot.blocks
+
+
+class CompletionSource(Protocol):
+    """What a driver gets of an allocator (Note [Drivers])."""
+
+    @property
+    def fd(self) -> int:
+        """The eventfd that turns readable when completion records are queued."""
+
+    @property
+    def stall_period(self) -> float:
+        """Seconds between stall checks, and the longest a drain waits on an idle fd."""
+
+    @property
+    def slots(self) -> SlotTable:
+        """Where trio tasks and threads wait (Note [Slots])."""
+
+    @property
+    def close_pool(self) -> Callable[[float], object]:
+        """The pool's blocking close, for a worker thread: it holds the pool, never the
+        allocator (whose torch views must not be freed on that thread)."""
+
+    def drain(self) -> None:
+        """Delivers every queued completion record to its future or slot (on this thread)."""
+
+    def check_stall(self) -> None:
+        """Warns when the mapper has been inside one op too long (``_log.StallWatch``)."""
+
+    def finish_close(self) -> None:
+        """After ``close_pool``: fails what completed during the close, and every slot left."""
 
 
 def current_library() -> str:
@@ -108,10 +225,10 @@ def scope_deadline(library: str) -> float:
 class TrioDriver:
     """An allocator's trio side: one system task drains the eventfd; waits use slots."""
 
-    def __init__(self, allocator: Allocator) -> None:
+    def __init__(self, source: CompletionSource) -> None:
         import trio
 
-        self._allocator = allocator
+        self._source = source
         self._token = trio.lowlevel.current_trio_token()
         self._thread = threading.get_ident()
         self._scope = trio.CancelScope()
@@ -140,15 +257,15 @@ class TrioDriver:
     async def _drain(self) -> None:
         import trio
 
-        fd = self._allocator._fd
+        source = self._source
         try:
             with self._scope:
                 while True:
                     # A bounded wait, so the stall check runs on an idle allocator too.
-                    with trio.move_on_after(self._allocator._stall_period):
-                        await trio.lowlevel.wait_readable(fd)
-                    self._allocator._on_completions()
-                    self._allocator._check_stall()
+                    with trio.move_on_after(source.stall_period):
+                        await trio.lowlevel.wait_readable(source.fd)
+                    source.drain()
+                    source.check_stall()
         finally:
             self._stopped.set()
 
@@ -156,22 +273,22 @@ class TrioDriver:
         """Waits for ``request`` until ``due`` (trio clock); see Note [Slots]."""
         import trio
 
-        kv = self._allocator
+        source, slots = self._source, self._source.slots
         event = trio.Event()
         slot = Slot(event.set)
-        with kv._slots.lock:
-            kv._slots.slots[request] = slot
+        with slots.lock:
+            slots.slots[request] = slot
         started = trio.current_time()
         try:
             with trio.move_on_at(due):
                 await event.wait()
         except BaseException:
-            kv._abandon_slot(request, slot)
+            slots.abandon(request, slot)
             raise
         if not slot.done:
-            kv._on_completions()  # a result already here wins over the deadline
-            kv._slot_timed_out(request, slot, what, trio.current_time() - started)
-        return kv._slot_result(slot)
+            source.drain()  # a result already here wins over the deadline
+            slots.time_out(request, slot, what, trio.current_time() - started)
+        return slots.result(slot)
 
     async def close(self, wait: float) -> None:
         """Closes the pool off the trio thread, shielded (a cancelled caller does not leave it
@@ -183,14 +300,14 @@ class TrioDriver:
                 await self._closed.wait()
             return
         self._closed = trio.Event()
-        kv = self._allocator
+        source = self._source
         try:
             with trio.CancelScope(shield=True):
-                kv._on_completions()  # what completed before the close is delivered as usual
-                await trio.to_thread.run_sync(kv._pool.close, wait)
+                source.drain()  # what completed before the close is delivered as usual
+                await trio.to_thread.run_sync(source.close_pool, wait)
                 self._scope.cancel()
                 with trio.move_on_after(1.0):
                     await self._stopped.wait()
-                kv._finish_close()
+                source.finish_close()
         finally:
             self._closed.set()

@@ -1,6 +1,8 @@
 """Share names and ledger paths (csrc/ledger/ledger.h, Note [Share ledger]).
 
-Private: the allocator joins a share through here; the public face is ``kvasync.share``.
+Private: the allocator joins a share through here; the public face is ``kvasync.share``. It knows
+names and files, not the allocator's settings: ``Config`` checks a share name with ``check_share``,
+so this module imports nothing of the config (no cycle).
 """
 
 from __future__ import annotations
@@ -8,14 +10,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import TYPE_CHECKING
 
 from . import _core
 
-if TYPE_CHECKING:
-    from ._config import Config
-
-__all__ = ["check_share", "default_share", "join", "join_share", "ledger_path"]
+__all__ = ["check_share", "default_name", "default_share", "join", "ledger_path"]
 
 LEDGER_DIR = "/dev/shm"
 _SHARE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -92,20 +90,3 @@ def join(share: str, name: str, budget_bytes: int, page_bytes: int) -> _core.Sha
         KVAsyncError: the ledger file is unusable (corrupt, another version, full, no rights).
     """
     return _core.ShareMember(ledger_path(share), name, budget_bytes, page_bytes)
-
-
-def join_share(config: Config, backend: _core.Backend, page_bytes: int) -> _core.ShareMember | None:
-    """The allocator's membership of ``config.share``, or None when it joins no share.
-
-    Raises:
-        KVAsyncError: the ledger file is unusable.
-    """
-    if config.share is None:
-        return None
-    budget = config.device_budget
-    if budget is None and backend.name == "cuda":
-        import torch
-
-        total = torch.cuda.get_device_properties(config.device).total_memory
-        budget = int(total * config.gpu_utilization)
-    return join(config.share, config.name or default_name(), budget or 0, page_bytes)

@@ -5,6 +5,9 @@ request's own ``threading.Event`` with its deadline: no loop of the caller's, no
 variable, and any number of threads at once. The completions are drained by the loop that owns
 the allocator: a private loop thread for ``open_allocator_sync``, or the caller's own asyncio or
 trio loop for ``SyncAllocator(kv)`` (one allocator shared between a loop and threads).
+
+The facade starts and settles requests through a ``RequestSource`` that the allocator builds
+(Note [Drivers] in _loops), never through the allocator's private methods.
 """
 
 from __future__ import annotations
@@ -14,18 +17,49 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from . import _loops
-from ._allocator import Allocator, _check_count
+from . import _loops, _validate
+from ._allocator import Allocator, driver_port
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout
 from ._layout import KVLayout
 from ._stats import AllocatorStats
 
 __all__ = ["SyncAllocator", "open_allocator_sync"]
+
+
+class RequestSource(Protocol):
+    """What the blocking facade gets of an allocator (Note [Drivers] in _loops)."""
+
+    @property
+    def slots(self) -> _loops.SlotTable:
+        """Where threads wait (Note [Slots])."""
+
+    @property
+    def loop_thread(self) -> int:
+        """The thread that drains the completions: a blocking call there would wait for itself."""
+
+    def check_count(self, n: object) -> int:
+        """``n`` as a number of blocks, checked as ``Allocator.alloc`` checks it."""
+
+    def limit_pages(self, memory_limit: int | None) -> int:
+        """A memory limit in pages, checked as ``Allocator.resize`` checks it."""
+
+    def start_alloc(self, n: int, due: float) -> list[int] | int:
+        """Blocks now, or the id of a request that waits until ``due`` (monotonic)."""
+
+    def start_trim(self, due: float) -> list[int] | int:
+        """``[]`` when nothing is left to unmap, else the id of the request to wait for."""
+
+    def start_resize(self, pages: int, due: float) -> list[int] | int:
+        """``[]`` when the new limit is in force, else the id of the request to wait for."""
+
+    def finish_alloc(self, blocks: list[int], waited: bool, started: float) -> None:
+        """What follows a successful alloc: zeroing (``zero_on_alloc``) and the metrics' hook,
+        given whether it waited and its ``time.perf_counter()`` start."""
 
 
 class _LoopThread:
@@ -71,6 +105,7 @@ class SyncAllocator:
         if not isinstance(allocator, Allocator):
             raise TypeError(f"allocator must be a kvasync.Allocator, got {type(allocator)!r}")
         self._kv = allocator
+        self._source: RequestSource = driver_port(allocator)
         self._owner = _owner
         self._closed = False
 
@@ -94,17 +129,13 @@ class SyncAllocator:
             OutOfBlocks, AllocTimeout, MapError, AllocatorClosed: as ``Allocator.alloc``.
             RuntimeError: called on the thread of the loop that owns the allocator.
         """
-        kv = self._kv
-        n = _check_count(n, kv.config.max_blocks)
+        source = self._source
+        n = source.check_count(n)
         due = self._due(timeout, deadline)
         self._check_thread()
-        observe = kv._observe
         started = time.perf_counter()
-        result, waited = self._call(lambda: kv._pool.alloc(n, due), due, f"alloc of {n} blocks")
-        if kv._zero_on_alloc:
-            kv._zero_blocks(result)
-        if observe is not None:
-            observe(waited, time.perf_counter() - started)
+        result, waited = self._call(lambda: source.start_alloc(n, due), due, f"alloc of {n} blocks")
+        source.finish_alloc(result, waited, started)
         return result
 
     def alloc_nowait(self, n: int) -> list[int]:
@@ -123,20 +154,20 @@ class SyncAllocator:
 
     def trim(self, *, timeout: float | None = None) -> None:
         """As ``Allocator.trim``, blocking this thread at most ``timeout``."""
-        kv = self._kv
+        source = self._source
         due = self._due(timeout, None)
         self._check_thread()
-        self._call(lambda: kv._pool.trim(due) or [], due, "trim")
+        self._call(lambda: source.start_trim(due), due, "trim")
 
     def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
-        kv = self._kv
+        source = self._source
         if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
             raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
-        pages = kv._limit_pages(memory_limit)
+        pages = source.limit_pages(memory_limit)
         due = self._due(timeout, None)
         self._check_thread()
-        self._call(lambda: kv._pool.set_limit_pages(pages, due) or [], due, "resize")
+        self._call(lambda: source.start_resize(pages, due), due, "resize")
 
     # -- block data, views and state: no waits, passed through -----------------------------
 
@@ -210,7 +241,7 @@ class SyncAllocator:
         wait = (
             self._kv.config.default_timeout
             if timeout is None
-            else Allocator._check_timeout(timeout)
+            else _validate.seconds(timeout, "timeout")
         )
         if self._closed:
             return
@@ -238,12 +269,12 @@ class SyncAllocator:
         wait = (
             self._kv.config.default_timeout
             if timeout is None
-            else Allocator._check_timeout(timeout)
+            else _validate.seconds(timeout, "timeout")
         )
         return time.monotonic() + wait
 
     def _check_thread(self) -> None:
-        if threading.get_ident() == self._kv._loop_thread:
+        if threading.get_ident() == self._source.loop_thread:
             raise RuntimeError(
                 "a blocking call on the thread of the loop that drains the allocator's "
                 "completions would wait for itself: use await kv.alloc() there"
@@ -256,23 +287,23 @@ class SyncAllocator:
 
         Returns the blocks and whether it had to wait.
         """
-        kv = self._kv
-        with kv._slots.lock:
+        slots = self._source.slots
+        with slots.lock:
             result = start()
             if isinstance(result, list):
                 return result, False
             event = threading.Event()  # only a waiter pays for one
             slot = _loops.Slot(event.set)
-            kv._slots.slots[result] = slot
+            slots.slots[result] = slot
         started = time.monotonic()
         try:
             delivered = event.wait(max(0.0, due - started))
         except BaseException:  # KeyboardInterrupt in the wait: leak nothing
-            kv._abandon_slot(result, slot)
+            slots.abandon(result, slot)
             raise
         if not delivered:
-            kv._slot_timed_out(result, slot, what, time.monotonic() - started)
-        return kv._slot_result(slot), True
+            slots.time_out(result, slot, what, time.monotonic() - started)
+        return slots.result(slot), True
 
 
 def open_allocator_sync(layout: KVLayout, config: Config | None = None) -> SyncAllocator:
