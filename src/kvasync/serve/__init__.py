@@ -1,8 +1,8 @@
 """kvasync.serve: a reference continuous-batching engine on kvasync, with an HTTP server.
 
 A decoder-only transformer with seeded random weights and a byte vocabulary runs over a paged KV
-cache that kvasync allocates (Note [Engine scheduling] in _engine.py). ``open_engine`` gives the
-in-process client API; ``kvasync serve`` (``create_app``) the OpenAI-compatible HTTP server.
+cache that kvasync allocates (Note [Engine scheduling] in _scheduler.py). ``open_engine`` gives
+the in-process client API; ``kvasync serve`` (``create_app``) the OpenAI-compatible HTTP server.
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus-client) for the HTTP part.
 """
 
@@ -16,6 +16,7 @@ from ._engine import open_engine as open_engine
 from ._errors import DeadlineExceeded as DeadlineExceeded
 from ._errors import EngineClosed as EngineClosed
 from ._errors import RequestFailed as RequestFailed
+from ._errors import RequestTooLarge as RequestTooLarge
 from ._model import PRESETS as PRESETS
 from ._model import ModelConfig as ModelConfig
 from ._model import Transformer as Transformer
@@ -32,6 +33,7 @@ __all__ = [
     "ModelRunner",
     "RequestFailed",
     "RequestRecord",
+    "RequestTooLarge",
     "Transformer",
     "open_engine",
 ]
