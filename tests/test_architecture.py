@@ -1,0 +1,334 @@
+"""The package's imports point one way: no cycle between kvasync's modules, and the core imports
+none of its consumers.
+
+Read from the source with ``ast``, never by importing it, so an import made only inside a function
+or only for type checking counts as well. What counts as an import of a module:
+
+- ``import kvasync.a.b`` and ``from kvasync.a import b``: ``kvasync.a.b`` when it is a module,
+  else ``kvasync.a`` (``from kvasync.a import name``). Relative imports are resolved first.
+- Imports inside functions count: they run on a call, and a cycle through them is still one a
+  reader must untangle.
+- Imports under ``if TYPE_CHECKING:`` count too: they never run, but a cycle through them hurts
+  readers the same (two modules that each need the other to be understood); a type that would
+  need one is better given as a ``typing.Protocol`` on the side that uses it.
+- Importing ``kvasync.a.b`` also runs ``kvasync.a/__init__``, but that is not counted as an
+  edge: every module would otherwise depend on the package root, which re-exports the core.
+
+The core is ``kvasync/__init__.py``, ``kvasync/_*.py`` and ``kvasync/testing.py``; the Triton
+kernels (``kernels/``, shipped as ``kvasync.kernels``) are walked too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "kvasync"
+# Source folder -> the package name it is imported as.
+SOURCES = {ROOT / "src" / "kvasync": PACKAGE, ROOT / "kernels": f"{PACKAGE}.kernels"}
+
+# The rooms built on the core. kvasync.ledger, .metrics and .pytest_plugin are the old names of
+# consumers (kept as aliases): the core must not import them either.
+CONSUMER_MODULES = (
+    "kvasync.share",
+    "kvasync.integrations",
+    "kvasync.serve",
+    "kvasync.simulate",
+    "kvasync.cli",
+    "kvasync.__main__",
+    "kvasync.ledger",
+    "kvasync.metrics",
+    "kvasync.pytest_plugin",
+)
+# Libraries only a consumer needs (optional extras, test or plotting tools): `import kvasync`
+# must work without any of them.
+CONSUMER_LIBRARIES = (
+    "click",
+    "rich",
+    "prometheus_client",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "httpx",
+    "openai",
+    "pytest",
+    "matplotlib",
+    "vllm",
+)
+
+
+def module_files(sources: dict[Path, str]) -> dict[str, Path]:
+    """Every module's dotted name -> its file (a package by its ``__init__.py``; a compiled
+    module, ``kvasync._core``, by its ``.pyi`` stub)."""
+    modules: dict[str, Path] = {}
+    for folder, package in sources.items():
+        for path in sorted(folder.rglob("*.py*")):
+            if path.suffix not in (".py", ".pyi"):
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([package, *parts])
+            if path.suffix == ".py" or name not in modules:
+                modules[name] = path
+    return modules
+
+
+def is_package(module: str, files: dict[str, Path]) -> bool:
+    return module in files and files[module].name == "__init__.py"
+
+
+def imported_names(tree: ast.Module, module: str, files: dict[str, Path]) -> Iterator[str]:
+    """The absolute names ``tree`` imports, at any depth (functions and TYPE_CHECKING included).
+
+    A ``from X import name`` yields ``X.name`` when that is a module of ours, else ``X``.
+    """
+    package = module if is_package(module, files) else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                candidate = f"{source}.{alias.name}"
+                yield candidate if candidate in files else source
+
+
+def owner(name: str, files: dict[str, Path]) -> str | None:
+    """The module of ours that ``name`` is, or is inside (``kvasync._core``, compiled, counts)."""
+    if name == PACKAGE or name.startswith(PACKAGE + "."):
+        while name not in files and name.count(".") > 1:
+            name = name.rpartition(".")[0]
+        return name
+    return None
+
+
+def import_graph(sources: dict[Path, str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> modules of ours it imports, module -> top-level outside packages it imports)."""
+    files = module_files(sources)
+    ours: dict[str, set[str]] = {}
+    outside: dict[str, set[str]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        ours[module], outside[module] = set(), set()
+        for name in imported_names(tree, module, files):
+            target = owner(name, files)
+            if target is None:
+                outside[module].add(name.partition(".")[0])
+            elif target != module:
+                ours[module].add(target)
+    return ours, outside
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(node: str) -> None:  # recursion depth is bounded by the package's size
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_in(component, graph) for component in components]
+
+
+def _cycle_in(component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A path start -> ... -> start inside one strongly connected component."""
+    start = min(component)
+    # Breadth-first from start back to start, within the component: the shortest such cycle.
+    paths = {target: [start, target] for target in graph[start] if target in component}
+    frontier = list(paths)
+    while start not in paths:
+        following = []
+        for node in frontier:
+            for target in sorted(graph[node]):
+                if target in component and target not in paths:
+                    paths[target] = [*paths[node], target]
+                    following.append(target)
+        frontier = following
+    return paths[start]
+
+
+def is_core(module: str) -> bool:
+    """kvasync/__init__.py, kvasync/_*.py (not __main__) and kvasync/testing.py."""
+    if module == PACKAGE:
+        return True
+    parent, _, leaf = module.rpartition(".")
+    if parent != PACKAGE:
+        return False
+    private = leaf.startswith("_") and not leaf.startswith("__")
+    return private or leaf == "testing"
+
+
+def back_arrows(ours: dict[str, set[str]], outside: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(core module, consumer module or library) for each import that points back up."""
+    found = []
+    for module in sorted(ours):
+        if not is_core(module):
+            continue
+        for target in sorted(ours[module]):
+            if _in_any(target, CONSUMER_MODULES):
+                found.append((module, target))
+        found += [(module, name) for name in sorted(outside[module]) if name in CONSUMER_LIBRARIES]
+    return found
+
+
+def _in_any(module: str, packages: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _describe(cycle: list[str]) -> str:
+    return " -> ".join(cycle)
+
+
+# -- the package ------------------------------------------------------------------------------
+
+
+def test_no_import_cycle_between_kvasync_modules() -> None:
+    ours, _ = import_graph(SOURCES)
+    found = cycles(ours)
+    assert not found, "import cycles (TYPE_CHECKING and in-function imports count):\n" + "\n".join(
+        _describe(cycle) for cycle in found
+    )
+
+
+def test_the_core_imports_no_consumer_and_no_consumer_library() -> None:
+    ours, outside = import_graph(SOURCES)
+    found = back_arrows(ours, outside)
+    assert not found, "core modules importing a consumer:\n" + "\n".join(
+        f"{module} imports {target}" for module, target in found
+    )
+
+
+def test_the_walk_sees_the_core_and_its_consumers() -> None:
+    # Guards the walk itself: a wrong root or a broken resolver would find nothing to fail on.
+    ours, outside = import_graph(SOURCES)
+    assert "kvasync._loops" in ours["kvasync._allocator"]
+    assert "kvasync._core" in ours["kvasync._allocator"]  # compiled: a leaf without source
+    assert "kvasync.share._ledger" in ours["kvasync.share"]
+    assert "kvasync.kernels" in ours["kvasync._allocator"]  # an import inside a method
+    assert "kvasync.kernels.block_copy" in ours["kvasync.kernels"]
+    assert "click" in outside["kvasync.cli"]
+    assert {"kvasync._allocator", "kvasync._sizes", "kvasync.testing"} <= {
+        module for module in ours if is_core(module)
+    }
+    assert not is_core("kvasync.__main__") and not is_core("kvasync.share._cli")
+
+
+# -- the checks fail when they should: a small package written for each case -------------------
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[Path, str]:
+    root = tmp_path / PACKAGE
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return {root: PACKAGE}
+
+
+def test_a_cycle_through_a_type_checking_import_is_found_and_printed(tmp_path: Path) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_config.py": "from . import _names\n",
+            "_names.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from ._config import Config\n"
+            ),
+        },
+    )
+    ours, _ = import_graph(sources)
+    assert cycles(ours) == [["kvasync._config", "kvasync._names", "kvasync._config"]]
+
+
+def test_a_cycle_through_an_import_inside_a_function_is_found(tmp_path: Path) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "sub/__init__.py": "from .. import _a\n",
+            "_a.py": "import kvasync._b\n",
+            "_b.py": "def f():\n    from kvasync.sub import x\n",
+        },
+    )
+    ours, _ = import_graph(sources)
+    assert cycles(ours) == [["kvasync._a", "kvasync._b", "kvasync.sub", "kvasync._a"]]
+
+
+def test_a_package_without_cycles_passes(tmp_path: Path) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "from ._a import A\nfrom . import sub\n",
+            "_a.py": "from ._b import B\n",
+            "_b.py": "",
+            "sub/__init__.py": "from .._a import A\nfrom . import _c\n",
+            "sub/_c.py": "from kvasync import _b\n",
+        },
+    )
+    ours, _ = import_graph(sources)
+    assert cycles(ours) == []
+    assert ours["kvasync.sub"] == {"kvasync._a", "kvasync.sub._c"}
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("import click\n", "click"),
+        ("def f():\n    from rich.table import Table\n", "rich"),
+        ("from .serve import _engine\n", "kvasync.serve._engine"),
+        ("from . import share\n", "kvasync.share"),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import fastapi\n", "fastapi"),
+    ],
+)
+def test_a_core_module_importing_a_consumer_is_found(
+    tmp_path: Path, source: str, target: str
+) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_allocator.py": source,
+            "serve/__init__.py": "",
+            "serve/_engine.py": "import click\n",  # a consumer may use a consumer library
+            "share/__init__.py": "",
+        },
+    )
+    ours, outside = import_graph(sources)
+    assert back_arrows(ours, outside) == [("kvasync._allocator", target)]
