@@ -2,7 +2,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/futex.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -12,12 +14,14 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 
 #include "pool/page_pool.h"
 
@@ -51,9 +55,23 @@ timespec to_timespec(Ledger::Clock::time_point t) {
   return ts;
 }
 
+// A caller's timeout: finite and >= 0, or std::invalid_argument (a ValueError in Python). Never a
+// reason to call the lock unusable.
+double check_timeout(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) {
+    throw std::invalid_argument("timeout must be a finite number of seconds >= 0, got " +
+                                std::to_string(seconds));
+  }
+  return seconds;
+}
+
 Ledger::Clock::time_point after(double seconds) {
+  // Saturating: a deadline decades away is as good as any later one, and now + 1e10 s in
+  // nanoseconds would wrap past INT64_MAX into the past (or an invalid timespec).
+  constexpr double kFarAway = 1e9;  // about 31 years
+  const double bounded = std::isnan(seconds) ? 0.0 : std::clamp(seconds, 0.0, kFarAway);
   return Ledger::Clock::now() + std::chrono::duration_cast<Ledger::Clock::duration>(
-                                    std::chrono::duration<double>(std::max(seconds, 0.0)));
+                                    std::chrono::duration<double>(bounded));
 }
 
 // The start time (field 22 of /proc/PID/stat) and whether the process is a zombie. Returns false
@@ -85,6 +103,27 @@ uint64_t own_start_time() {
   return start;
 }
 
+uint64_t own_pid_namespace() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// This process as the ledger records it. Cached per thread and keyed by pid: a forked child
+// (whose threads start with the parent's cache) reads its own start time, not the parent's. No
+// lock, so that nothing held across fork() can leave the child stuck.
+struct Identity {
+  int32_t pid = 0;
+  uint64_t start_time = 0;
+  uint64_t pid_ns = 0;
+};
+
+const Identity& self_identity() {
+  thread_local Identity cached;
+  const int32_t pid = getpid();
+  if (cached.pid != pid) cached = Identity{pid, own_start_time(), own_pid_namespace()};
+  return cached;
+}
+
 bool process_alive(int32_t pid, uint64_t start_time) {
   if (pid <= 0) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -96,7 +135,12 @@ bool process_alive(int32_t pid, uint64_t start_time) {
 }
 
 void copy_text(char* out, size_t size, const std::string& text) {
-  const size_t n = std::min(text.size(), size - 1);
+  size_t n = std::min(text.size(), size - 1);
+  // Cut at a UTF-8 character boundary: never keep the lead bytes of a character without its
+  // continuation bytes (10xxxxxx), which readers could not decode.
+  if (n < text.size()) {
+    while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;
+  }
   std::memcpy(out, text.data(), n);
   std::memset(out + n, 0, size - n);
 }
@@ -146,18 +190,89 @@ void validate_header(const std::string& path, const LedgerHeader& h, size_t size
   }
 }
 
+std::string user_name(uid_t uid) {
+  std::vector<char> buffer(16384);
+  passwd pw, *found = nullptr;
+  if (getpwuid_r(uid, &pw, buffer.data(), buffer.size(), &found) == 0 && found) {
+    return std::string(pw.pw_name) + " (uid " + std::to_string(uid) + ")";
+  }
+  return "uid " + std::to_string(uid);
+}
+
+std::string group_name(gid_t gid) {
+  std::vector<char> buffer(16384);
+  group gr, *found = nullptr;
+  if (getgrgid_r(gid, &gr, buffer.data(), buffer.size(), &found) == 0 && found) {
+    return std::string(gr.gr_name) + " (gid " + std::to_string(gid) + ")";
+  }
+  return "gid " + std::to_string(gid);
+}
+
+// Whether user `uid` belongs to group `gid`: as its primary group or as a listed member.
+bool user_in_group(uid_t uid, gid_t gid) {
+  std::vector<char> buffer(16384);
+  passwd pw, *found = nullptr;
+  if (getpwuid_r(uid, &pw, buffer.data(), buffer.size(), &found) != 0 || !found) return false;
+  if (pw.pw_gid == gid) return true;
+  int count = 64;
+  std::vector<gid_t> groups(count);
+  if (getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &count) < 0) {
+    groups.resize(count);
+    if (getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &count) < 0) return false;
+  }
+  return std::find(groups.begin(), groups.begin() + count, gid) != groups.begin() + count;
+}
+
+std::string mode_text(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof text, "%04o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
+// Note [Ledger access]: refuses a file whose owner or mode the operator did not choose.
+void check_access(const std::string& path, const struct stat& st, const LedgerAccess& access) {
+  const uid_t me = geteuid();
+  std::string expected;
+  bool ok = S_ISREG(st.st_mode);
+  if (access.group < 0) {
+    ok = ok && st.st_uid == me && (st.st_mode & 077) == 0;
+    expected = "owned by " + user_name(me) +
+               " with no permission for group or others (0600); to share a device between "
+               "users, set KVASYNC_SHARE_GROUP to a group they all belong to";
+  } else {
+    const auto gid = static_cast<gid_t>(access.group);
+    ok = ok && st.st_gid == gid && (st.st_mode & 007) == 0 &&
+         (st.st_uid == me || user_in_group(st.st_uid, gid));
+    expected = "group " + group_name(gid) + ", no permission for others (0660), owned by " +
+               user_name(me) + " or a member of that group (KVASYNC_SHARE_GROUP)";
+  }
+  if (ok) return;
+  throw LedgerError("refusing the ledger file " + path + ": it is " +
+                    (S_ISREG(st.st_mode) ? "" : "not a regular file, ") + "owned by " +
+                    user_name(st.st_uid) + ", group " + group_name(st.st_gid) + ", mode " +
+                    mode_text(st.st_mode) + "; expected " + expected +
+                    ". Remove it if nobody should be using it");
+}
+
 // Creates the file complete under a temporary name, then links it into place: nobody ever maps a
 // half-initialised ledger, and of two processes creating it at once one wins, the other opens it.
-void create_file(const std::string& path) {
+void create_file(const std::string& path, const LedgerAccess& access) {
   std::random_device random;
   const std::string temp = path + ".tmp." + std::to_string(getpid()) + "." +
                            std::to_string(random());
-  const int fd = ::open(temp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const int fd = ::open(temp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) {
     throw LedgerError("cannot create the ledger file " + temp + ": " + strerror(errno));
   }
   std::string error;
-  if (ftruncate(fd, sizeof(LedgerFile)) != 0) {
+  // The mode is set explicitly: the umask could only have taken bits away, never the group's.
+  const auto gid = static_cast<gid_t>(access.group);
+  if (access.group >= 0 && fchown(fd, static_cast<uid_t>(-1), gid) != 0) {
+    error = "cannot give it to group " + group_name(gid) + " (" +
+            strerror(errno) + "; is this user a member?)";
+  } else if (fchmod(fd, access.group >= 0 ? 0660 : 0600) != 0) {
+    error = std::string("fchmod: ") + strerror(errno);
+  } else if (ftruncate(fd, sizeof(LedgerFile)) != 0) {
     error = std::string("ftruncate: ") + strerror(errno);
   } else {
     void* data = mmap(nullptr, sizeof(LedgerFile), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -195,22 +310,25 @@ std::map<std::string, std::weak_ptr<Ledger>>& open_ledgers() {
 // ---------------------------------------------------------------------------------------------
 // Ledger
 
-std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
+std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create,
+                                     const LedgerAccess& access) {
   // One mapping per file and process: the robust-mutex machinery knows a lock by its address.
   std::lock_guard<std::mutex> guard(open_ledgers_mutex());
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  // O_NOFOLLOW: a link planted at the path by another user is refused, never followed.
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (auto existing = open_ledgers()[path].lock()) {
     // The same file still (not one removed and made anew under the same name): share it.
     struct stat now;
     if (fd >= 0 && fstat(fd, &now) == 0 && now.st_dev == existing->device_ &&
         now.st_ino == existing->inode_) {
       ::close(fd);
+      check_access(path, now, access);  // its owner or mode may have changed since
       return existing;
     }
   }
   if (fd < 0 && errno == ENOENT && create) {
-    create_file(path);
-    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    create_file(path, access);
+    fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   }
   if (fd < 0) {
     throw LedgerError("cannot open the ledger file " + path + ": " + strerror(errno) +
@@ -221,6 +339,12 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
     const std::string why = strerror(errno);
     ::close(fd);
     throw LedgerError("cannot stat the ledger file " + path + ": " + why);
+  }
+  try {
+    check_access(path, st, access);  // before reading a byte of it
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < sizeof(LedgerHeader)) {
@@ -245,6 +369,7 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create) {
     throw;
   }
   std::shared_ptr<Ledger> ledger(new Ledger(path, file));
+  ledger->access_ = access;
   ledger->device_ = st.st_dev;
   ledger->inode_ = st.st_ino;
   open_ledgers()[path] = ledger;
@@ -255,10 +380,22 @@ Ledger::Ledger(std::string path, LedgerFile* file) : path_(std::move(path)), fil
 
 Ledger::~Ledger() { munmap(file_, sizeof(LedgerFile)); }
 
+bool Ledger::still_linked() const {
+  struct stat st;
+  return lstat(path_.c_str(), &st) == 0 && st.st_dev == device_ && st.st_ino == inode_ &&
+         st.st_nlink > 0;
+}
+
 bool Ledger::lock(Clock::time_point deadline) noexcept {
   const timespec until = to_timespec(deadline);
+  if (until.tv_sec < 0 || until.tv_nsec < 0 || until.tv_nsec >= 1000000000) {
+    return false;  // a deadline that is no time at all: the caller's error, not the lock's
+  }
   const int rc = pthread_mutex_clocklock(&file_->header.mutex, CLOCK_MONOTONIC, &until);
-  if (rc == 0) return true;
+  if (rc == 0) {
+    lock_error_.store(0);  // usable again (the file was replaced, or the error was passing)
+    return true;
+  }
   if (rc == ETIMEDOUT) return false;
   if (rc == EOWNERDEAD) {
     // The previous holder died holding it. Its half-done work can only be its own entry's
@@ -288,18 +425,27 @@ void Ledger::unlock() { pthread_mutex_unlock(&file_->header.mutex); }
 
 int Ledger::reclaim_dead_locked() {
   int reclaimed = 0;
-  const int32_t self = getpid();
-  static const uint64_t self_start = own_start_time();
+  const Identity& self = self_identity();
+  const int64_t now = monotonic_ns();
+  const int64_t stale_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(ShareMember::kForeignStaleAfter).count();
   for (LedgerEntry& e : file_->entries) {
     if (e.state.load() == 0) continue;
     const int32_t pid = e.pid.load();
-    // This process's own entries are alive; an entry with its pid but another start time is an
-    // earlier process's (pids are reused, in containers especially).
-    if (pid == self && e.start_time.load() == self_start) continue;
-    if (pid != self && process_alive(pid, e.start_time.load())) continue;
+    if (e.pid_ns.load() != self.pid_ns) {
+      // Another pid namespace (another container): its pid means nothing here, its heartbeat does.
+      if (now - e.heartbeat_ns.load() < stale_ns) continue;
+    } else if (pid == self.pid) {
+      // This process's own entries are alive; an entry with its pid but another start time is an
+      // earlier process's (pids are reused, in containers especially).
+      if (e.start_time.load() == self.start_time) continue;
+    } else if (process_alive(pid, e.start_time.load())) {
+      continue;
+    }
     e.committed_bytes.store(0);
     e.blocked.store(0);
     e.waiters.store(0);
+    e.generation.fetch_add(1, std::memory_order_acq_rel);  // its owner, if alive, lets go of it
     e.state.store(0);
     ++reclaimed;
   }
@@ -316,12 +462,32 @@ int64_t Ledger::budget_locked() const {
   return budget;
 }
 
+bool Ledger::remove_if_unused_locked() {
+  for (const LedgerEntry& e : file_->entries) {
+    if (e.state.load() != 0) return false;
+  }
+  // Under the lock: a joiner waiting for it finds the file gone (still_linked) and opens anew.
+  if (!still_linked()) return false;
+  return unlink(path_.c_str()) == 0;
+}
+
+bool Ledger::prune(double timeout_s) {
+  check_timeout(timeout_s);
+  if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  reclaim_dead_locked();
+  const bool removed = remove_if_unused_locked();
+  unlock();
+  return removed;
+}
+
 std::vector<EntryView> Ledger::snapshot(double timeout_s) {
+  check_timeout(timeout_s);
   if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
   std::vector<EntryView> out;
   std::string corrupt;
   reclaim_dead_locked();
   const int64_t now = monotonic_ns();
+  const uint64_t own_ns = self_identity().pid_ns;
   for (int slot = 0; slot < kLedgerEntries && corrupt.empty(); ++slot) {
     LedgerEntry& e = file_->entries[slot];
     const uint32_t state = e.state.load();
@@ -342,6 +508,9 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
     v.waiters = e.waiters.load();
     v.blocked = e.blocked.load();
     v.requested_limit = e.requested_limit.load();
+    v.pid_ns = e.pid_ns.load();
+    v.foreign = v.pid_ns != own_ns;
+    v.heartbeat_age_s = std::max<int64_t>(0, now - e.heartbeat_ns.load()) / 1e9;
     // A torn read of `op` (its owner writing it meanwhile) is retried a few times, then shown.
     for (int attempt = 0; attempt < 8; ++attempt) {
       const uint32_t before = e.op_generation.load(std::memory_order_acquire);
@@ -367,12 +536,14 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
 }
 
 int Ledger::set_limit(int32_t pid, int64_t bytes, double timeout_s) {
+  check_timeout(timeout_s);
   if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
   reclaim_dead_locked();
   int count = 0;
   std::string too_small;
+  const uint64_t own_ns = self_identity().pid_ns;
   for (LedgerEntry& e : file_->entries) {
-    if (e.state.load() != 1 || e.pid.load() != pid) continue;
+    if (e.state.load() != 1 || e.pid.load() != pid || e.pid_ns.load() != own_ns) continue;
     if (bytes != 0 && bytes < e.page_bytes.load()) {
       too_small = std::to_string(e.page_bytes.load());
       continue;
@@ -406,6 +577,7 @@ void Ledger::wait(uint32_t seen, std::chrono::nanoseconds timeout) {
 }
 
 bool Ledger::hold_lock_for(double seconds) {
+  check_timeout(seconds);
   if (!lock(after(1.0))) return false;
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   unlock();
@@ -420,8 +592,19 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
     : ledger_(std::move(ledger)), page_bytes_(page_bytes) {
   if (page_bytes <= 0) throw std::invalid_argument("page_bytes must be positive");
   if (budget_bytes < 0) throw std::invalid_argument("device_budget must not be negative");
-  if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout * 5)) {
-    throw LedgerError("cannot join the share: " + ledger_->lock_failure(1.0));
+  // The last member to leave removes the file under the lock (Note [Share ledger]): a file found
+  // removed once locked is given up for the one now at the path, created anew if need be.
+  for (int attempt = 0;; ++attempt) {
+    if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout * 5)) {
+      throw LedgerError("cannot join the share: " + ledger_->lock_failure(1.0));
+    }
+    if (ledger_->still_linked()) break;
+    ledger_->unlock();
+    if (attempt == 16) {
+      throw LedgerError("cannot join the share: the ledger file " + ledger_->path() +
+                        " keeps being removed while joining");
+    }
+    ledger_ = Ledger::open(ledger_->path(), true, ledger_->access());
   }
   ledger_->reclaim_dead_locked();
   for (int slot = 0; slot < kLedgerEntries; ++slot) {
@@ -436,9 +619,14 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
                       std::to_string(kLedgerEntries) + " allocators)");
   }
   LedgerEntry& e = entry();
+  const Identity& self = self_identity();
   serial_ = ledger_->file().header.next_serial.fetch_add(1) + 1;
-  e.pid.store(getpid());
-  e.start_time.store(own_start_time());
+  pid_ = self.pid;
+  generation_ = e.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
+  e.pid.store(self.pid);
+  e.start_time.store(self.start_time);
+  e.pid_ns.store(self.pid_ns);
+  e.heartbeat_ns.store(monotonic_ns());
   e.serial.store(serial_);
   copy_text(e.name, sizeof e.name, name);
   e.committed_bytes.store(0);
@@ -459,8 +647,15 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
 }
 
 ShareMember::~ShareMember() {
-  if (thread_.joinable()) thread_.detach();  // only when the watcher itself drops the last ref
+  // Only when the watcher itself drops the last ref, or in a forked child (which has a copy of
+  // the thread's handle, never the thread).
+  if (thread_.joinable()) thread_.detach();
   leave();
+}
+
+bool ShareMember::owns_entry() const {
+  return !left_ && getpid() == pid_ &&
+         entry().generation.load(std::memory_order_acquire) == generation_;
 }
 
 void ShareMember::start(std::weak_ptr<PagePool> pool) {
@@ -469,6 +664,12 @@ void ShareMember::start(std::weak_ptr<PagePool> pool) {
 
 void ShareMember::stop(double timeout_s) {
   stopping_ = true;
+  if (getpid() != pid_) {
+    // A forked child: the watcher is the parent's (it never existed here), and so is the entry.
+    if (thread_.joinable()) thread_.detach();
+    left_ = true;
+    return;
+  }
   ledger_->notify();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
     if (exited_.wait_for(std::chrono::duration<double>(std::max(timeout_s, 0.5)))) {
@@ -482,22 +683,37 @@ void ShareMember::stop(double timeout_s) {
 
 void ShareMember::leave() {
   if (left_.exchange(true)) return;
+  // A forked child's copy: the entry is the parent's, which still uses it.
+  if (getpid() != pid_) return;
   LedgerEntry& e = entry();
   // Without the lock if it stays taken: clearing its own entry is atomic stores, and a slot
   // freed under a lock holder's scan is at worst reclaimed twice.
   const bool locked = ledger_->lock(Clock::now() + Ledger::kLockTimeout);
-  e.committed_bytes.store(0);
-  e.blocked.store(0);
-  e.waiters.store(0);
-  e.state.store(0, std::memory_order_release);
-  if (locked) ledger_->unlock();
+  // An entry reclaimed meanwhile (its slot perhaps a newcomer's now) is not this member's to clear.
+  if (e.generation.load(std::memory_order_acquire) == generation_) {
+    e.committed_bytes.store(0);
+    e.blocked.store(0);
+    e.waiters.store(0);
+    e.generation.fetch_add(1, std::memory_order_acq_rel);
+    e.state.store(0, std::memory_order_release);
+  }
+  // The last member out removes the file (Note [Share ledger]); only under the lock, so that a
+  // joiner cannot take an entry in a file that is being removed.
+  if (locked) {
+    ledger_->remove_if_unused_locked();
+    ledger_->unlock();
+  }
   ledger_->notify();
 }
 
 int64_t ShareMember::grant(int64_t pages, bool refill) noexcept {
-  if (pages <= 0 || left_) return 0;
+  if (pages <= 0 || !owns_entry()) return 0;  // a forked child, or an entry lost: no charge
   if (!ledger_->lock(Clock::now() + kGrantLockTimeout)) return 0;  // the watcher retries
   ledger_->reclaim_dead_locked();
+  if (!owns_entry()) {  // reclaimed just now: its slot is not this member's to charge
+    ledger_->unlock();
+    return 0;
+  }
   int64_t total = 0;
   bool others_blocked = false;
   for (const LedgerEntry& e : ledger_->file().entries) {
@@ -517,17 +733,20 @@ int64_t ShareMember::grant(int64_t pages, bool refill) noexcept {
 }
 
 void ShareMember::release(int64_t pages) {
-  if (pages > 0 && !left_) entry().committed_bytes.fetch_sub(pages * page_bytes_);
+  // Lock-free, so a reclaim may land between the check and the subtraction; a reclaim needs its
+  // owner thought dead (pid gone, or a heartbeat kForeignStaleAfter old), which a member that is
+  // releasing is not.
+  if (pages > 0 && owns_entry()) entry().committed_bytes.fetch_sub(pages * page_bytes_);
 }
 
 void ShareMember::set_blocked(int64_t waiters) {
-  if (left_) return;
+  if (!owns_entry()) return;
   const int64_t before = entry().blocked.exchange(waiters);
   // Newly short of budget: wake the others now, so that they give back their reserves.
   if (before == 0 && waiters > 0) ledger_->notify();
 }
 
-bool ShareMember::blocked() const { return !left_ && entry().blocked.load() > 0; }
+bool ShareMember::blocked() const { return owns_entry() && entry().blocked.load() > 0; }
 
 int64_t ShareMember::fair_share_pages() const {
   int64_t members = 0, budget = INT64_MAX;
@@ -549,6 +768,7 @@ int64_t ShareMember::room_pages() const {
     if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
   }
   if (budget == INT64_MAX || members == 0 || left_) return INT64_MAX;
+  if (!owns_entry()) return 0;  // nothing can be granted without an entry
   const int64_t unclaimed = budget - total;
   const int64_t fair_left = budget / members - entry().committed_bytes.load();
   return std::max<int64_t>(0, std::max(unclaimed, fair_left)) / page_bytes_;
@@ -568,6 +788,17 @@ std::string ShareMember::describe_budget() const {
     if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
   }
   std::ostringstream out;
+  if (getpid() != pid_) {
+    out << "this allocator was opened by process " << pid_
+        << " before a fork(); it cannot map in this child: open a new allocator here ("
+        << ledger_->path() << ")";
+    return out.str();
+  }
+  if (!owns_entry() && !left_) {
+    out << "this allocator's ledger entry was reclaimed (it was taken for dead): it cannot map "
+        << "any more; close it and open a new one (" << ledger_->path() << ")";
+    return out.str();
+  }
   out << "the share's device budget";
   if (budget != INT64_MAX) out << " of " << budget << " bytes";
   out << " is taken (" << total << " bytes committed by " << others + 1
@@ -578,8 +809,9 @@ std::string ShareMember::describe_budget() const {
 
 void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit,
                           int64_t waiters, const std::string& op, double op_age_s) {
-  if (left_ || stopping_) return;
+  if (stopping_ || !owns_entry()) return;
   LedgerEntry& e = entry();
+  e.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
   e.mapped_bytes.store(mapped, std::memory_order_relaxed);
   e.reserved_bytes.store(reserved, std::memory_order_relaxed);
   e.used_bytes.store(used, std::memory_order_relaxed);
@@ -594,6 +826,7 @@ void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_
 }
 
 int64_t ShareMember::take_requested_limit() {
+  if (!owns_entry()) return -1;
   const uint32_t generation = entry().limit_generation.load(std::memory_order_acquire);
   if (generation == seen_limit_generation_) return -1;
   seen_limit_generation_ = generation;
@@ -612,6 +845,8 @@ void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool>
   auto last_reclaim = Clock::now();
   while (!self->stopping_.load()) {
     const uint32_t seen = self->ledger_->seq();
+    // Liveness for readers in other pid namespaces (Note [Share ledger]).
+    if (self->owns_entry()) self->entry().heartbeat_ns.store(monotonic_ns());
     if (Clock::now() - last_reclaim >= kReclaimEvery) {
       // Dead processes' shares come back within kReclaimEvery + kTick even when nobody maps.
       last_reclaim = Clock::now();

@@ -41,10 +41,32 @@
 // which includes what is left of its fair share (ShareMember::room_pages).
 //
 // Dead processes: an entry's owner is identified by pid *and* the process's start time (from
-// /proc, against pid reuse); an entry whose process is gone (no such pid, a zombie, or another
-// start time) is reclaimed under the lock at the next grant or snapshot, and by every watcher at
-// least every kReclaimEvery. The lock is a robust process-shared mutex, always taken with a
-// deadline (pthread_mutex_clocklock on CLOCK_MONOTONIC); a holder that died leaves EOWNERDEAD to
+// /proc, against pid reuse) *and* its pid namespace (the inode of /proc/self/ns/pid): a pid means
+// something only in its own namespace, and containers that share /dev/shm need not share one. An
+// entry of this process's namespace whose process is gone (no such pid, a zombie, or another
+// start time) is reclaimed; an entry of another namespace is reclaimed when its watcher's
+// heartbeat (`heartbeat_ns`, CLOCK_MONOTONIC, stored every kTick) is older than
+// kForeignStaleAfter. Reclaiming happens under the lock at the next grant or snapshot, and by every
+// watcher at least every kReclaimEvery.
+//
+// Slots are reused: each join and each leave (or reclaim) bumps the slot's `generation`, and a
+// member acts on its slot only while the generation is the one it joined with. So a member whose
+// entry was reclaimed (thought dead) never charges, releases or publishes into a newcomer's entry.
+//
+// fork(): a membership belongs to the process that joined. A forked child inherits the object
+// (never its watcher thread); in the child it grants nothing, publishes nothing, and leaving does
+// not touch the parent's entry. An allocator opened in the child joins anew with its own pid.
+//
+// Access (Note [Ledger access]): the file is refused at open unless its owner and mode are the
+// ones the operator chose, so that another user cannot plant a file that an allocator then joins.
+//
+// Stale files: the last member to leave removes the file, under the lock; a joiner that got the
+// lock of a file no longer at its path (st_nlink 0 or another inode) opens the path anew.
+// `kvasync ls --prune` removes the files of shares whose members are all dead (Ledger::prune).
+//
+// The lock is a robust process-shared mutex, always taken with a deadline (pthread_mutex_clocklock
+// on CLOCK_MONOTONIC; a deadline far away saturates, and a caller's timeout that is negative or
+// not finite is refused with std::invalid_argument, never taken for an unusable lock); a holder that died leaves EOWNERDEAD to
 // the next taker, which marks it consistent and reclaims dead entries (the only state a holder
 // can leave half-written is its own entry, and it is dead).
 //
@@ -54,6 +76,15 @@
 //   - Every figure is an std::atomic that is always lock-free (address-free across processes).
 //   - The layout carries a magic, a version, its sizes and a check word; a file that does not
 //     match is refused with a LedgerError (KVAsyncError in Python), never used.
+//
+// Note [Ledger access]
+// ~~~~~~~~~~~~~~~~~~~~~
+// By default a share is one user's: the file must be a regular file owned by the effective user,
+// with no permission for group or others (created 0600). To share a device between users, each
+// sets KVASYNC_SHARE_GROUP=<group> (LedgerAccess::group): the file is created with that group and
+// mode 0660, and accepted when its group is that one, others have no permission, and its owner is
+// this user or a member of the group. Anyone in the group can then read every entry and set any
+// member's limit, which is what sharing a device grants; nobody outside it can open the file.
 //
 // Limitations: a ledger file truncated *while* processes have it mapped makes their next access
 // fault (SIGBUS); a truncated or corrupt file found at open is refused cleanly.
@@ -85,7 +116,7 @@ struct LedgerError : BackendError {
 };
 
 constexpr uint64_t kLedgerMagic = 0x3152474445'4c4b56ULL;  // "VKLEDGR1" read little-endian
-constexpr uint32_t kLedgerVersion = 1;
+constexpr uint32_t kLedgerVersion = 2;  // 2: pid namespace, heartbeat, slot generation
 constexpr int kLedgerEntries = 64;
 constexpr int kLedgerNameBytes = 64;
 constexpr int kLedgerOpBytes = 64;
@@ -95,6 +126,9 @@ struct alignas(64) LedgerEntry {
   std::atomic<int32_t> pid;
   std::atomic<uint64_t> start_time;  // the owner's start time (/proc/PID/stat field 22)
   std::atomic<uint64_t> serial;      // unique per join: tells two allocators of one process apart
+  std::atomic<uint64_t> pid_ns;      // the owner's pid namespace (inode of /proc/self/ns/pid)
+  std::atomic<int64_t> heartbeat_ns;  // CLOCK_MONOTONIC, stored by the owner's watcher each tick
+  std::atomic<uint32_t> generation;   // bumped at each join and leave of this slot
   char name[kLedgerNameBytes];
   std::atomic<int64_t> committed_bytes;  // charged against the budget (Note [Share ledger])
   std::atomic<int64_t> mapped_bytes;
@@ -141,6 +175,14 @@ struct EntryView {
       budget_bytes, waiters, blocked, requested_limit;
   std::string op;
   double op_age_s;
+  uint64_t pid_ns;
+  bool foreign;  // of another pid namespace than the reader's: `pid` is not one of its pids
+  double heartbeat_age_s;
+};
+
+// Who may own a ledger file, and how it is created (Note [Ledger access]).
+struct LedgerAccess {
+  int64_t group = -1;  // a gid shared between users, or -1: the file is this user's alone
 };
 
 // One mapping of a ledger file. One per path and process (Ledger::open shares them).
@@ -150,13 +192,20 @@ class Ledger {
   static constexpr auto kLockTimeout = std::chrono::milliseconds(200);
 
   // Opens the file at `path`, creating it when `create` and it is missing.
-  // Throws LedgerError when it cannot be used.
-  static std::shared_ptr<Ledger> open(const std::string& path, bool create);
+  // Throws LedgerError when it cannot be used, or its owner or mode is not what `access` allows.
+  static std::shared_ptr<Ledger> open(const std::string& path, bool create,
+                                      const LedgerAccess& access);
+  static std::shared_ptr<Ledger> open(const std::string& path, bool create) {
+    return open(path, create, LedgerAccess{});
+  }
   ~Ledger();
   Ledger(const Ledger&) = delete;
   Ledger& operator=(const Ledger&) = delete;
 
   const std::string& path() const { return path_; }
+  const LedgerAccess& access() const { return access_; }
+  // Whether the file mapped is still the one at path() (not removed by a last member leaving).
+  bool still_linked() const;
   LedgerFile& file() { return *file_; }
 
   // The lock, taken with a deadline. Returns false at the deadline (or when the lock is unusable:
@@ -175,7 +224,13 @@ class Ledger {
   std::vector<EntryView> snapshot(double timeout_s);
   // Sets the limit of every allocator of process `pid`; returns how many. 0 bytes = back to the
   // configured limit.
+  // Only entries of the caller's pid namespace: a pid names a process only there.
   int set_limit(int32_t pid, int64_t bytes, double timeout_s);
+  // Reclaims dead entries and removes the file when no live member is left; returns whether it
+  // removed it. Throws LedgerError when the lock stays taken past `timeout_s`.
+  bool prune(double timeout_s);
+  // Lock held: removes the file when it has no live entry and is still at path().
+  bool remove_if_unused_locked();
 
   void notify();  // a release: bump the futex word and wake every watcher
   uint32_t seq() const { return file_->header.release_seq.load(std::memory_order_acquire); }
@@ -190,6 +245,7 @@ class Ledger {
   Ledger(std::string path, LedgerFile* file);
 
   std::string path_;
+  LedgerAccess access_;
   LedgerFile* file_;
   uint64_t device_ = 0, inode_ = 0;  // the file mapped, to tell it from a newer one at path_
   std::atomic<int> lock_error_{0};    // the last error that made the lock unusable
@@ -201,6 +257,9 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   using Clock = std::chrono::steady_clock;
   static constexpr auto kTick = std::chrono::milliseconds(100);
   static constexpr auto kReclaimEvery = std::chrono::milliseconds(250);
+  // An entry of another pid namespace is dead when its heartbeat is this old: its pid cannot be
+  // checked from here. Far above kTick, so that a busy but live watcher is never taken for dead.
+  static constexpr auto kForeignStaleAfter = std::chrono::seconds(10);
   // A grant runs under the pool's mutex (and so may hold up an alloc): it waits for the ledger
   // lock only briefly; when that fails, the watcher's next tick plans the map again.
   static constexpr auto kGrantLockTimeout = std::chrono::milliseconds(50);
@@ -244,6 +303,9 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // the configured limit. -1 when unchanged.
   int64_t take_requested_limit();
 
+  // Whether this process still owns the entry it joined with: false in a forked child, or once
+  // the entry was reclaimed (its owner thought dead) and its slot possibly reused.
+  bool owns_entry() const;
   int64_t page_bytes() const { return page_bytes_; }
   const Ledger& ledger() const { return *ledger_; }
 
@@ -257,6 +319,8 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   std::shared_ptr<Ledger> ledger_;
   int slot_ = -1;
   uint64_t serial_ = 0;
+  int32_t pid_ = 0;            // the process that joined
+  uint32_t generation_ = 0;    // the slot's generation at the join
   int64_t page_bytes_;
   uint32_t seen_limit_generation_ = 0;
   std::atomic<bool> pressure_{false};  // another allocator of the share is short of budget
