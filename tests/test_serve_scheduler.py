@@ -1,0 +1,276 @@
+"""The engine's scheduling policy (Note [Engine scheduling]), with no model and no event loop.
+
+The scheduler reads the allocator through a view (``KVView``). Most tests here give it a small
+ledger of blocks (``Blocks``) that hands out and takes back block ids as the engine does with the
+allocator, so each decision is checked in microseconds; one test runs it over a real host-backend
+allocator whose limit was lowered, where free blocks and available blocks differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import kvasync
+from kvasync.serve import EngineConfig, RequestFailed, RequestTooLarge
+from kvasync.serve._config import AllocatorView
+from kvasync.serve._scheduler import KVView, Request, Scheduler
+
+BLOCK = 16  # tokens per block
+
+
+@dataclass
+class Blocks:
+    """A view over a numbered set of blocks: ``available`` of them can be had now (a share's
+    headroom can make that fewer than the free ones), ``capacity`` at most, ever."""
+
+    available: int
+    capacity: int = 1 << 20
+    drain: int | None = None
+    next_id: itertools.count[int] = field(default_factory=lambda: itertools.count(0))
+
+    def available_blocks(self) -> int:
+        return self.available
+
+    def drain_from(self) -> int | None:
+        return self.drain
+
+    def capacity_blocks(self) -> int:
+        return self.capacity
+
+    def take(self, n: int) -> list[int]:
+        assert n <= self.available, f"took {n} blocks, {self.available} available"
+        self.available -= n
+        return [next(self.next_id) for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self.available += len(blocks)
+
+
+class Harness:
+    """A scheduler over ``Blocks``, with the engine's side of a preemption (free the victim's
+    blocks) and of an admission (alloc, then ``admitted``)."""
+
+    def __init__(self, view: KVView, **limits: int) -> None:
+        self.view = view
+        self.released: list[int] = []
+        self.scheduler: Scheduler[Request] = Scheduler(
+            view,
+            block_size=BLOCK,
+            max_batch=limits.get("max_batch", 64),
+            max_batch_tokens=limits.get("max_batch_tokens", 4096),
+            patience=0.05,
+            release=self.release,
+        )
+        self.ids = itertools.count()
+
+    def release(self, request: Request) -> None:
+        self.released.append(request.request_id)
+        if isinstance(self.view, Blocks):
+            self.view.give_back(request.blocks)
+
+    def submit(self, prompt_tokens: int, max_tokens: int = 8, arrival: float = 0.0) -> Request:
+        request_id = next(self.ids)
+        request = Request(
+            request_id=request_id,
+            prompt=[65] * prompt_tokens,
+            max_tokens=max_tokens,
+            arrival=arrival or float(request_id),
+            deadline=1e9,
+        )
+        self.scheduler.add(request)
+        return request
+
+    def admit_all(self, now: float = 0.0) -> list[Request]:
+        admitted = []
+        while (admission := self.scheduler.next_admission(now)) is not None:
+            assert isinstance(self.view, Blocks)
+            blocks = self.view.take(admission.need)
+            assert self.scheduler.admitted(admission.request, blocks)
+            admitted.append(admission.request)
+        return admitted
+
+    def decode(self, request: Request) -> None:
+        """One step of ``request``: its KV now covers its tokens, and it samples one more."""
+        request.num_computed = len(request.tokens)
+        request.output.append(66)
+
+
+def test_admission_takes_the_oldest_while_the_available_blocks_hold_them() -> None:
+    harness = Harness(Blocks(available=5))
+    first, second, third = (harness.submit(30), harness.submit(40), harness.submit(20))
+    # 2 + 3 blocks fit in 5; the third (2 blocks) does not, and admission pauses.
+    assert harness.admit_all() == [first, second]
+    assert [len(r.blocks) for r in (first, second)] == [2, 3]
+    assert list(harness.scheduler.waiting) == [third]
+    assert harness.scheduler.paused
+    # Blocks freed (a request ended) unpause it, and the third is admitted.
+    harness.scheduler.remove(first)
+    harness.view.give_back(first.blocks)
+    harness.scheduler.unpause()
+    assert harness.admit_all() == [third]
+
+
+def test_admission_under_a_shares_headroom_waits_though_blocks_are_free() -> None:
+    # In a share, available_blocks counts only the budget the share leaves this allocator: free
+    # blocks it holds are not enough when the head of the queue needs more than that headroom.
+    harness = Harness(Blocks(available=4))
+    running = harness.submit(16)
+    assert harness.admit_all() == [running]
+    harness.view.available = 2  # another member of the share took the rest of the budget
+    waiting = harness.submit(40)  # 3 blocks
+    assert harness.scheduler.next_admission(now=1.0) is None
+    assert harness.scheduler.paused
+    # Paused for the patience at most: in a share, memory comes back from the other members.
+    harness.view.available = 3
+    assert harness.scheduler.next_admission(now=1.01) is None
+    admission = harness.scheduler.next_admission(now=1.2)
+    assert admission is not None and admission.request is waiting and admission.need == 3
+    assert not admission.alone
+
+
+def test_a_request_alone_is_admitted_to_wait_for_its_blocks_whatever_is_available() -> None:
+    harness = Harness(Blocks(available=0))
+    request = harness.submit(40)
+    admission = harness.scheduler.next_admission(now=0.0)
+    # Nothing else runs: its alloc waits up to its deadline rather than pausing admission.
+    assert admission is not None and admission.alone and admission.need == 3
+    assert harness.scheduler.deadline_for(request) == request.deadline
+
+
+def test_admission_respects_the_batch_and_its_token_budget() -> None:
+    harness = Harness(Blocks(available=100), max_batch=3, max_batch_tokens=64)
+    requests = [harness.submit(30) for _ in range(4)]
+    # 30 + 30 new tokens fit in 64, a third does not; the batch of 3 is not reached.
+    assert harness.admit_all() == requests[:2]
+    for request in requests[:2]:
+        harness.decode(request)  # one new token each from now on
+    assert harness.admit_all() == [requests[2]]  # 3 requests: the batch is full
+    assert list(harness.scheduler.waiting) == [requests[3]]
+
+
+def test_growth_preempts_the_youngest_first_and_requeues_it_at_the_head() -> None:
+    harness = Harness(Blocks(available=6))
+    old, middle, young = harness.submit(16), harness.submit(16), harness.submit(16)
+    late = harness.submit(10)
+    assert harness.admit_all() == [old, middle, young, late]
+    harness.view.available = 0  # the cache is full
+    for request in (old, middle, young):
+        harness.decode(request)  # 17 tokens: each crosses into a second block
+    for _ in range(16):
+        harness.decode(old)  # 33 tokens: old needs 2 blocks (as after a recompute)
+    plan = harness.scheduler.plan_growth(now=0.0)
+    # Youngest first: `late` (no growth of its own) then `young` make room for the older two
+    # (an alloc planned is not yet taken from the view: it is asked for after the plan).
+    assert [r.request_id for r in plan.preempted] == [late.request_id, young.request_id]
+    assert harness.released == [late.request_id, young.request_id]
+    assert [(r, n) for r, n in plan.grows] == [(old, 2), (middle, 1)]
+    assert old.grow_since == 0.0 and young.grow_since is None
+    # Requeued ahead of anything waiting, in arrival order, to be recomputed from scratch.
+    assert list(harness.scheduler.waiting) == [young, late]
+    assert (young.blocks, young.num_computed, young.preemptions) == ([], 0, 1)
+    assert harness.scheduler.preemptions == 2
+    # While a grow is pending nothing is admitted, though blocks came back.
+    assert harness.scheduler.next_admission(now=0.0) is None
+
+
+def test_an_overdue_grow_or_a_refused_one_preempts_the_youngest_but_never_the_last() -> None:
+    harness = Harness(Blocks(available=3))
+    old, young = harness.submit(16), harness.submit(16)
+    harness.admit_all()
+    harness.decode(old)
+    plan = harness.scheduler.plan_growth(now=10.0)
+    assert plan.grows == [(old, 1)]
+    assert not harness.scheduler.overdue(old, now=10.04)
+    assert harness.scheduler.overdue(old, now=10.06)
+    assert harness.scheduler.make_room() is young
+    assert harness.scheduler.make_room() is None  # alone now: it waits instead
+
+
+def test_vacating_a_drain_moves_the_holders_blocks_below_it() -> None:
+    view = Blocks(available=100, next_id=itertools.count(10))
+    harness = Harness(view)
+    a, b = harness.submit(40), harness.submit(40)
+    harness.admit_all()  # a: 10 11 12, b: 13 14 15
+    view.drain = 14  # the pages from block 14 up drain
+    assert harness.scheduler.draining() == 14
+    plan = harness.scheduler.plan_vacate(14)
+    assert plan.holders == [b] and plan.count == 2 and plan.preempted == []
+    sources, destinations = plan.assign([0, 1])  # what the allocator hands out below the drain
+    assert (sources, destinations) == ([14, 15], [0, 1])
+    assert b.blocks == [13, 0, 1] and a.blocks == [10, 11, 12]
+    assert harness.scheduler.draining() is None  # nothing of ours there any more
+
+
+def test_vacating_preempts_the_youngest_holders_only_while_the_moves_do_not_fit() -> None:
+    view = Blocks(available=9)
+    harness = Harness(view)
+    a, b, c = harness.submit(48), harness.submit(48), harness.submit(48)
+    harness.admit_all()  # a: 0-2, b: 3-5, c: 6-8
+    view.drain = 2
+    view.available = 4  # room below the drain for 4 moved blocks; 7 are at or above it
+    plan = harness.scheduler.plan_vacate(2)
+    # c (3 blocks there) is preempted: its blocks come back (to the view, as a free does),
+    # and then a and b's 4 fit.
+    assert plan.preempted == [c] and harness.released == [c.request_id]
+    assert plan.holders == [a, b] and plan.count == 4
+    with pytest.raises(ValueError, match="needs 4 blocks"):
+        plan.assign([20, 21])
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once_and_nothing_is_queued() -> None:
+    harness = Harness(Blocks(available=4, capacity=4))
+    # 53 + 200 tokens need 16 blocks of 16, the cache holds 4: refused, not admitted to stall.
+    with pytest.raises(RequestTooLarge, match=r"16 KV blocks.*can ever hold \(4\)") as caught:
+        harness.submit(53, max_tokens=200)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, RequestFailed)
+    assert not harness.scheduler.waiting
+    # Exactly the capacity fits: the last sampled token is never computed, 53 + 12 - 1 = 64.
+    harness.submit(53, max_tokens=12)
+    assert len(harness.scheduler.waiting) == 1
+
+
+def test_a_request_alone_that_outgrows_a_lowered_capacity_is_reported_not_waited_for() -> None:
+    view = Blocks(available=4, capacity=4)
+    harness = Harness(view)
+    request = harness.submit(60, max_tokens=5)  # 64 tokens: 4 blocks
+    harness.admit_all()
+    view.capacity = 3  # the limit was lowered below what it holds
+    request.num_computed = 60
+    request.output.append(66)  # 61 tokens: still 4 blocks
+    assert harness.scheduler.plan_growth(now=0.0).too_large is None
+    request.blocks = request.blocks[:3]  # moved below the drain into 3, it needs a 4th
+    plan = harness.scheduler.plan_growth(now=0.0)
+    assert plan.too_large == (request, 1) and plan.alone is None
+
+
+async def test_over_a_real_allocator_a_drain_keeps_free_blocks_from_admission() -> None:
+    # A host allocator whose limit was lowered below what is mapped: the free blocks of the
+    # draining pages are not available, and the scheduler admits by what is available.
+    layout = kvasync.KVLayout(
+        num_layers=1, num_kv_heads=1, head_dim=16, block_size=BLOCK, dtype=torch.float32
+    )
+    page = 16 << 10  # 16 blocks of 1 KiB in each of 2 ranges
+    config = kvasync.Config(backend="host", max_blocks=256, page_size=page, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(layout, config) as kv:
+        held = sorted(await kv.alloc(64, timeout=5))  # pages 0-3
+        kept = [*held[:16], held[16], held[32], held[48]]  # page 0, and one block of pages 1-3
+        kv.free([b for b in held if b not in kept])
+        await kv.resize(memory_limit=2 * 2 * page, timeout=5)  # 2 pages: pages 2 and 3 drain
+        view = AllocatorView(kv, EngineConfig(device="cpu"))
+        assert view.drain_from() == 32
+        # The draining pages' 30 free blocks do not count: page 1's 15 do.
+        assert (kv.stats().free_blocks, view.available_blocks()) == (45, 15)
+        harness = Harness(view)
+        running = Request(0, [65], 8, 0.0, 1e9, blocks=kept)
+        harness.scheduler.running.append(running)
+        waiting = harness.submit(BLOCK * 16)  # 16 blocks: fewer than free, more than available
+        assert harness.scheduler.next_admission(now=0.0) is None
+        assert list(harness.scheduler.waiting) == [waiting]
+        assert harness.scheduler.draining() == 32  # and the running request is to be moved
+        plan = harness.scheduler.plan_vacate(32)
+        assert plan.holders == [running] and plan.count == 2
+        kv.free(kept)
