@@ -204,6 +204,21 @@ void Mapper::run(std::shared_ptr<PagePool> pool, Mapper* self) {
       continue;
     }
     trace::mark(trace::kBatchTaken);
+    try {
+      pool->charge_pending(batch);  // Note [Budget off the caller's thread] in page_pool.h
+    } catch (...) {
+      // Out of memory settling the charge: the batch fails as a map would (its pages go back,
+      // its waiters are told), rather than reach the backend uncharged.
+      const BackendResult failed = BackendResult::failure("charging the share's ledger failed");
+      for (const Job& job : batch) {
+        try {
+          pool->finish_job(job, failed, {});
+        } catch (...) {
+        }
+      }
+      continue;
+    }
+    if (batch.empty()) continue;  // nothing granted
     run_batch(*pool, batch);
     trace::mark(trace::kCompleted);
     last_work = std::chrono::steady_clock::now();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cassert>
 #include <climits>
+#include <cstdlib>
+#include <fstream>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -435,14 +437,20 @@ void PagePool::plan_maps() {
   for (const Waiter& w : waiters_) deadline = std::max(deadline, w.deadline);
   if (deadline <= Clock::now()) return;
   std::vector<int64_t> pages = claim_unmapped(deficit, headroom);
+  bool charge_pending = false;
   if (share_) {
     const size_t wanted = pages.size();
-    charge_share(pages, false);
-    share_->set_blocked(pages.size() < wanted ? static_cast<int64_t>(waiters_.size()) : 0);
+    if (try_charge_share(pages, false)) {
+      share_->set_blocked(pages.size() < wanted ? static_cast<int64_t>(waiters_.size()) : 0);
+    } else {
+      charge_pending = true;  // the mapper charges it (Note [Budget off the caller's thread])
+    }
   }
   if (pages.empty()) return;
   for (int64_t page : pages) incoming_for_waiters_ += pages_[page].num_blocks;
-  push_job({JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline});
+  Job job{JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline};
+  job.charge_pending = charge_pending;
+  push_job(std::move(job));
 }
 
 void PagePool::plan_refill() {
@@ -452,7 +460,11 @@ void PagePool::plan_refill() {
   const int64_t want = std::min(config_.reserve_high - have, headroom_pages());
   if (want <= 0) return;
   std::vector<int64_t> pages = claim_unmapped(INT64_MAX, want);
-  charge_share(pages, true);
+  if (!try_charge_share(pages, true)) {
+    // The ledger's lock is busy: no refill now (Note [Budget off the caller's thread]).
+    for (int64_t page : pages) set_state(page, PageState::kUnmapped);
+    return;
+  }
   if (pages.empty()) return;
   refill_pages_ += static_cast<int64_t>(pages.size());
   push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
@@ -546,9 +558,14 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
     }
     if (lacking > 0 && can_fit) {
       std::vector<int64_t> pages = claim_unmapped(lacking, headroom_pages());
+      // Charged to the share like any map (issue 18: uncharged, a process mapped 3x its
+      // budget); demand, not an optimisation, so granted as a waiter's map is.
+      const bool charge_pending = !try_charge_share(pages, false);
       if (!pages.empty()) {
         refill_pages_ += static_cast<int64_t>(pages.size());
-        push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
+        Job job{JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)};
+        job.charge_pending = charge_pending;
+        push_job(std::move(job));
       }
     }
     plan_refill();
@@ -665,6 +682,12 @@ std::string PagePool::describe_wait(const Waiter& waiter) const {
         << " free block(s): waiting for blocks to be freed";
   }
   if (share_ && share_->blocked()) out << ", " << share_->describe_budget();
+  if (share_ && ledger_busy_pid_ != 0) {
+    out << ", the share's ledger lock (" << share_->ledger().path() << ") is held by "
+        << (ledger_busy_pid_ > 0 ? "pid " + std::to_string(ledger_busy_pid_)
+                                 : std::string("an unknown process"))
+        << ": no budget can be charged until it lets go (is that process stopped or stuck?)";
+  }
   return out.str();
 }
 
@@ -897,7 +920,10 @@ void PagePool::revert_job(const Job& job) {
   }
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
   job_left_flight(job);
-  if (job.kind != JobKind::kUnmap) release_share(static_cast<int64_t>(job.pages.size()));
+  // A job still waiting for its charge was never charged (Note [Budget off the caller's thread]).
+  if (job.kind != JobKind::kUnmap && !job.charge_pending) {
+    release_share(static_cast<int64_t>(job.pages.size()));
+  }
 }
 
 std::vector<Job> PagePool::next_batch() {
@@ -1134,13 +1160,93 @@ bool PagePool::is_allocated(int64_t block) const {
 
 namespace kvasync {
 
-void PagePool::charge_share(std::vector<int64_t>& pages, bool refill) {
-  if (!share_ || pages.empty()) return;
+bool PagePool::ledger_lock_free(Clock::time_point deadline) const {
+  // NOTE: the ledger offers no grant with a deadline of the caller's choosing (grant() waits up
+  // to ShareMember::kGrantLockTimeout): take the lock first with ours, let it go, and grant at
+  // once. Only a holder that takes the lock in between can make grant() wait.
+  Ledger& ledger = const_cast<Ledger&>(share_->ledger());  // the pool's own ledger, not const
+  if (!ledger.lock(deadline)) return false;
+  ledger.unlock();
+  return true;
+}
+
+int32_t PagePool::ledger_lock_holder() const {
+  // A robust mutex records its owner's thread id; the process is that thread's thread group.
+  Ledger& ledger = const_cast<Ledger&>(share_->ledger());
+  const int tid = __atomic_load_n(&ledger.file().header.mutex.__data.__owner, __ATOMIC_RELAXED);
+  if (tid <= 0) return -1;
+  try {
+    std::ifstream status("/proc/" + std::to_string(tid) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("Tgid:", 0) == 0) return static_cast<int32_t>(std::atol(line.c_str() + 5));
+    }
+  } catch (...) {
+    // Only a name for a message: the thread id is the pid of a single-threaded holder.
+  }
+  return tid;
+}
+
+bool PagePool::try_charge_share(std::vector<int64_t>& pages, bool refill) {
+  if (!share_ || pages.empty()) return true;
+  // Note [Budget off the caller's thread]: under mutex_, the ledger's lock is only tried.
+  if (!ledger_lock_free(Clock::now())) {
+    ledger_busy_pid_ = ledger_lock_holder();
+    return false;
+  }
+  ledger_busy_pid_ = 0;
   // Pages the share's budget does not allow go back unmapped (they were never charged).
   const int64_t granted = share_->grant(static_cast<int64_t>(pages.size()), refill);
   while (static_cast<int64_t>(pages.size()) > granted) {
     set_state(pages.back(), PageState::kUnmapped);
     pages.pop_back();
+  }
+  return true;
+}
+
+void PagePool::charge_pending(std::vector<Job>& batch) {
+  if (!share_) return;
+  int64_t wanted = 0;
+  Clock::time_point deadline = Clock::now() + ShareMember::kGrantLockTimeout;
+  for (const Job& job : batch) {
+    if (!job.charge_pending) continue;
+    wanted += static_cast<int64_t>(job.pages.size());
+    deadline = std::min(deadline, job.deadline);
+  }
+  if (wanted == 0) return;
+  // mutex_ is not held: waiting for the ledger's lock here holds up no caller.
+  const bool lock_free = ledger_lock_free(deadline);
+  const int64_t got = lock_free ? share_->grant(wanted, false) : 0;
+  int64_t granted = got;
+  const int32_t holder = lock_free ? 0 : ledger_lock_holder();
+  std::lock_guard<std::mutex> lock(mutex_);
+  ledger_busy_pid_ = holder;
+  for (Job& job : batch) {
+    if (!job.charge_pending) continue;
+    job.charge_pending = false;
+    const int64_t keep = std::min<int64_t>(granted, static_cast<int64_t>(job.pages.size()));
+    granted -= keep;
+    for (size_t k = static_cast<size_t>(keep); k < job.pages.size(); ++k) {
+      const int64_t page = job.pages[k];
+      set_state(page, PageState::kUnmapped);
+      if (job.kind == JobKind::kMapForRequest) incoming_for_waiters_ -= pages_[page].num_blocks;
+      if (job.kind == JobKind::kRefill) --refill_pages_;
+    }
+    job.pages.resize(static_cast<size_t>(keep));
+    if (job.pages.empty()) job_left_flight(job);
+  }
+  batch.erase(std::remove_if(batch.begin(), batch.end(),
+                             [](const Job& job) { return job.pages.empty(); }),
+              batch.end());
+  // Short of budget (the lock was had): the waiters are blocked, as when planned (plan_maps).
+  // A lock that stayed busy is no shortage. Either way the watcher's next tick plans again.
+  if (lock_free && !closed_) {
+    share_->set_blocked(got < wanted ? static_cast<int64_t>(waiters_.size()) : 0);
+  }
+  if (batch.empty()) {
+    current_job_.reset();
+  } else {
+    current_job_ = batch.size() == 1 ? batch.front() : merge_jobs(batch);
   }
 }
 

@@ -93,6 +93,21 @@
 // give back (vacate the requests holding them) to get the memory back promptly. The drain ends
 // when the pool is within its limit again, or when the limit is raised.
 //
+// Note [Budget off the caller's thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// In a share, every map is charged to the ledger before it reaches the backend (Note [Share
+// ledger]): maps for waiters, refills of the reserve and alloc_nowait's maps alike. Charging
+// takes the ledger's lock, which another process holds now and then, and may hold for long (a
+// stopped or stuck process). The caller's thread (an event loop) and the watcher plan maps under
+// mutex_, so there a charge only *tries* the lock, never waits for it: when it is busy, a map
+// for demand (a waiter, alloc_nowait) is queued uncharged (Job::charge_pending) and the mapper
+// charges it before running it, waiting for the lock there (mutex_ not held) with a deadline; a
+// refill is dropped (the reserve is never a dependency). Pages not granted go back unmapped. A
+// lock that stayed busy is not a budget shortage: the pool does not mark itself blocked (which
+// would make the other members give memory back for nothing); the watcher's next tick plans the
+// map again, and a waiter that times out meanwhile names the lock's holder. Members keep serving
+// from the blocks they have mapped: only new maps need the lock.
+//
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
 
@@ -142,6 +157,9 @@ struct Job {
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
   int64_t seq = 0;                // queue order (Note [Trim]); set by push_job
   bool keep_cached = false;       // a trim that keeps the backend's pooled handles
+  // A map queued while the share's ledger lock was busy: the mapper charges it before it runs
+  // (Note [Budget off the caller's thread]).
+  bool charge_pending = false;
 };
 
 // One job holding the pages of `jobs` (map jobs, run as one batch).
@@ -227,6 +245,10 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // The share watcher's side (ledger.cpp): re-plans after memory was released in the share,
   // applies a limit set from outside, publishes this pool's figures into its entry.
   void on_share_tick(ShareMember& member);
+  // The mapper's side of Note [Budget off the caller's thread]: charges the batch's jobs queued
+  // while the ledger's lock was busy, waiting for the lock here (mutex_ not held) with a
+  // deadline. Pages not granted go back unmapped; jobs left with no page leave the batch.
+  void charge_pending(std::vector<Job>& batch);
 
  private:
   PagePool(std::shared_ptr<Backend> backend, PoolConfig config);
@@ -289,7 +311,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void fail_waiter(int64_t request_id, CompletionStatus status, const std::string& message);
   std::string describe_wait(const Waiter& waiter) const;
   void check_open() const;
-  void charge_share(std::vector<int64_t>& pages, bool refill);
+  bool try_charge_share(std::vector<int64_t>& pages, bool refill);
+  bool ledger_lock_free(Clock::time_point deadline) const;
+  int32_t ledger_lock_holder() const;
   void release_share(int64_t pages);
   void apply_share_limit(int64_t limit_pages, bool fail_too_big = true);
   int64_t own_limit_pages() const;
@@ -327,6 +351,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::string last_error_;
   std::map<uintptr_t, int64_t> fence_refs_;  // fence -> pages holding it
   std::shared_ptr<ShareMember> share_;  // null: no share (Note [Share ledger])
+  // Note [Budget off the caller's thread]: the pid holding the ledger's lock when a charge last
+  // found it busy (-1: unknown holder), 0 once a charge got the lock.
+  int32_t ledger_busy_pid_ = 0;
   int64_t configured_limit_pages_ = 0;   // the limit a share's "back to configured" restores
   int64_t operator_limit_pages_ = -1;    // set with kvasync limit; -1 = none (configured)
   std::optional<Job> current_job_;
