@@ -16,6 +16,8 @@ requests still running are cancelled (cancellation leaks nothing, Note [Futures 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import math
 import random
 import sys
@@ -25,11 +27,23 @@ from typing import TextIO
 
 import click
 import torch
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
 from .._allocator import Allocator, open_allocator
 from .._config import Config
 from .._errors import AllocTimeout, KVAsyncError
 from .._layout import KVLayout
+from .._stats import percentile
 
 __all__ = ["DemoOptions", "DemoReport", "format_report", "run_demo", "simulate_command"]
 
@@ -139,12 +153,12 @@ class DemoReport:
         """Blocks allocated per second of the run."""
         return self.blocks_allocated / self.seconds if self.seconds > 0 else 0.0
 
-    def alloc_us(self, quantile: float) -> float:
-        """A quantile of successful alloc latencies, in µs (0 when there were none)."""
+    def alloc_us(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of successful alloc latencies, in µs (0 when there were
+        none): ``kvasync._stats.percentile``, as everywhere in kvasync."""
         if not self.alloc_ns:
             return 0.0
-        ordered = sorted(self.alloc_ns)
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(quantile * len(ordered)) - 1))] / 1e3
+        return percentile(self.alloc_ns, q) / 1e3
 
 
 class _Preempted(Exception):
@@ -317,30 +331,59 @@ class _Simulation:
                 decode = self.rng.randint(1, options.max_decode_blocks)
             await asyncio.sleep(_ADMIT_INTERVAL_S)
 
-    async def watch(self, out: TextIO | None) -> None:
-        """Samples the peak mapped memory; writes a progress line (5 Hz on a TTY, else 1 Hz)."""
-        tty = out is not None and out.isatty()
-        every = 0.2 if tty else 1.0
-        next_line = self.loop.time() + every
-        while True:
-            await asyncio.sleep(_SAMPLE_INTERVAL_S)
+    async def watch(self, progress: Progress | None) -> None:
+        """Samples the peak mapped memory; updates the progress bar (5 Hz) when there is one."""
+        task = None
+        if progress is not None:
+            task = progress.add_task("requests", total=self.options.requests, status="")
+        every = 0.2
+        next_update = self.loop.time() + every
+        try:
+            while True:
+                await asyncio.sleep(_SAMPLE_INTERVAL_S)
+                stats = self.kv.stats()
+                peak = max(self.report.peak_mapped_bytes, stats.mapped_bytes)
+                self.report.peak_mapped_bytes = peak
+                if self.loop.time() >= next_update:
+                    next_update += every
+                    self.show(progress, task, stats.mapped_bytes, stats.waiters)
+        finally:  # cancelled at the end: the bar shows the final figures
             stats = self.kv.stats()
-            self.report.peak_mapped_bytes = max(self.report.peak_mapped_bytes, stats.mapped_bytes)
-            if out is not None and self.loop.time() >= next_line:
-                next_line += every
-                line = self.progress(stats.mapped_bytes, stats.waiters)
-                out.write(f"\r{line}\x1b[K" if tty else f"{line}\n")
-                out.flush()
+            self.show(progress, task, stats.mapped_bytes, stats.waiters)
 
-    def progress(self, mapped_bytes: int, waiters: int) -> str:
+    def show(
+        self, progress: Progress | None, task: TaskID | None, mapped: int, waiters: int
+    ) -> None:
+        if progress is not None and task is not None:
+            ended = self.report.done + self.report.dropped
+            progress.update(task, completed=ended, status=self.status(mapped, waiters))
+
+    def status(self, mapped_bytes: int, waiters: int) -> str:
+        """The progress bar's figures beside the requests ended."""
         r = self.report
         elapsed = self.loop.time() - self.started
         return (
-            f"{elapsed:5.1f} s  in flight {self.in_flight:4d}  done {r.done:5d}  "
+            f"in flight {self.in_flight:4d}  done {r.done:5d}  "
             f"dropped {r.dropped:3d}  blocks/s {r.blocks_allocated / max(elapsed, 1e-9):7,.0f}  "
             f"mapped {mapped_bytes / MIB:5.0f}/{self.options.memory_limit_mib} MiB  "
             f"waiting {waiters:3d}  timeouts {r.timeouts:3d}"
         )
+
+
+def _progress(out: TextIO | None) -> Progress | None:
+    """A rich progress bar on ``out`` (live on a terminal; elsewhere rich prints its last state
+    when it stops), or None."""
+    if out is None:
+        return None
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        # Off a terminal rich assumes 80 columns, too few for the figures on one line.
+        console=Console(file=out, width=None if out.isatty() else 200),
+    )
 
 
 async def run_demo(options: DemoOptions, out: TextIO | None = None) -> DemoReport:
@@ -348,7 +391,7 @@ async def run_demo(options: DemoOptions, out: TextIO | None = None) -> DemoRepor
 
     Args:
         options: the workload.
-        out: where the progress goes; None for none.
+        out: where the progress bar goes; None for none.
 
     Returns:
         The measured figures, with ``leaked_blocks`` taken after every request ended.
@@ -372,20 +415,20 @@ async def run_demo(options: DemoOptions, out: TextIO | None = None) -> DemoRepor
         start = time.perf_counter()
         deadline = simulation.started + options.seconds
         tasks: set[asyncio.Task[None]] = set()
-        watcher = asyncio.create_task(simulation.watch(out))
-        try:
-            await simulation.admit_all(deadline, tasks)
-            if tasks:
-                remaining = max(0.0, deadline - simulation.loop.time())
-                await asyncio.wait(set(tasks), timeout=remaining)
-            await _cancel_all(tasks)
-        finally:
-            await _cancel_all({watcher, *tasks})
+        progress = _progress(out)
+        with progress if progress is not None else contextlib.nullcontext():
+            watcher = asyncio.create_task(simulation.watch(progress))
+            try:
+                await simulation.admit_all(deadline, tasks)
+                if tasks:
+                    remaining = max(0.0, deadline - simulation.loop.time())
+                    await asyncio.wait(set(tasks), timeout=remaining)
+                await _cancel_all(tasks)
+            finally:
+                await _cancel_all({watcher, *tasks})
         report.seconds = time.perf_counter() - start
         report.cut_off = simulation.started_requests - report.done - report.dropped
         report.not_started = options.requests - simulation.started_requests
-        if out is not None and out.isatty():
-            out.write("\n")
         stats = kv.stats()
         report.maps, report.unmaps = stats.maps_done, stats.unmaps_done
         report.peak_mapped_bytes = max(report.peak_mapped_bytes, stats.mapped_bytes)
@@ -403,7 +446,7 @@ async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
 
 
 def format_report(report: DemoReport) -> str:
-    """The closing table, as Markdown."""
+    """The closing table, as Markdown (a rich table in its Markdown box)."""
     rows = [
         ("requests done", f"{report.done} of {report.requests}"),
         ("requests dropped (preempted too often)", f"{report.dropped}"),
@@ -415,7 +458,7 @@ def format_report(report: DemoReport) -> str:
         ("alloc timeouts", f"{report.timeouts}"),
         ("blocks allocated", f"{report.blocks_allocated:,}"),
         ("blocks allocated/s", f"{report.blocks_per_s:,.0f}"),
-        ("alloc p50 / p99 (µs)", f"{report.alloc_us(0.5):,.1f} / {report.alloc_us(0.99):,.1f}"),
+        ("alloc p50 / p99 (µs)", f"{report.alloc_us(50):,.1f} / {report.alloc_us(99):,.1f}"),
         ("allocs that waited (> 50 µs)", f"{report.waited_allocs:,} of {len(report.alloc_ns):,}"),
         ("pages mapped / unmapped", f"{report.maps} / {report.unmaps}"),
         (
@@ -426,14 +469,16 @@ def format_report(report: DemoReport) -> str:
         ("leaked blocks", f"{report.leaked_blocks}"),
         ("wall time (s)", f"{report.seconds:.1f}"),
     ]
-    width = max(len(name) for name, _ in rows)
-    value_width = max(len(value) for _, value in rows)
-    lines = [
-        f"| {'measure':<{width}} | {'value':>{value_width}} |",
-        f"|{'-' * (width + 2)}|{'-' * (value_width + 1)}:|",
-    ]
-    lines += [f"| {name:<{width}} | {value:>{value_width}} |" for name, value in rows]
-    return "\n".join(lines)
+    table = Table(box=box.MARKDOWN)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    with console.capture() as capture:
+        console.print(table)
+    # The Markdown box draws an empty bottom edge: not part of the table.
+    return "\n".join(line.rstrip() for line in capture.get().splitlines() if line.strip())
 
 
 _DEFAULTS = DemoOptions()
