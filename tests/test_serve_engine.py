@@ -14,6 +14,7 @@ from kvasync.serve import (
     EngineClosed,
     EngineConfig,
     RequestFailed,
+    RequestTooLarge,
     open_engine,
 )
 
@@ -234,3 +235,108 @@ async def test_a_lowered_limit_moves_running_requests_below_it_without_changing_
         assert engine.stats().preemptions == 0  # everything fit below the limit: moved, not lost
         assert engine.kv.stats().mapped_bytes <= 3 * page
     assert [c.text for c in done] == alone
+
+
+async def test_a_temperature_out_of_range_is_a_value_error_and_the_engine_serves_on() -> None:
+    # Issue 18, defect 2: 1e308 and 1e-300 passed validation; dividing the logits by them gave
+    # NaN, torch.multinomial raised, and the engine stopped for every request.
+    async with open_engine(_config()) as engine:
+        for temperature in (1e308, 1e-300, math.inf, math.nan, 1e-4, 101.0, True):
+            with pytest.raises(ValueError, match="temperature"):
+                await engine.complete("a", max_tokens=2, temperature=temperature)
+        for seed in (-1, 1 << 64, 1.5):
+            with pytest.raises(ValueError, match="seed"):
+                await engine.complete("a", temperature=1.0, seed=seed)  # type: ignore[arg-type]
+        assert engine.stats().waiting == 0
+        for temperature in (1e-3, 100.0):
+            done = await asyncio.wait_for(
+                engine.complete("a", max_tokens=3, temperature=temperature, seed=1), 10
+            )
+            assert done.output_tokens == 3
+        assert engine.error is None
+
+
+async def test_a_request_whose_sampling_fails_fails_alone_and_frees_its_blocks() -> None:
+    # Note [Sampling failures]: logits gone NaN for one request (as a fault would) fail that
+    # request; the batch it ran in goes on, and so does the engine.
+    async with open_engine(_config()) as engine:
+        forward = engine.runner.step
+
+        def poisoned(
+            tokens: list[list[int]], starts: list[int], tables: list[list[int]]
+        ) -> torch.Tensor:
+            logits = forward(tokens, starts, tables).clone()
+            offset = 0
+            for seq, start in zip(tokens, starts, strict=True):
+                if bytes(seq[:6]) == b"poison":
+                    logits[offset : offset + len(seq) - start] = math.nan
+                offset += len(seq) - start
+            return logits
+
+        engine.runner.step = poisoned  # type: ignore[method-assign]
+        requests = [
+            engine.complete("poison greedy", max_tokens=5),
+            engine.complete("poison sampled", max_tokens=5, temperature=1.0, seed=3),
+            engine.complete("healthy", max_tokens=5),
+        ]
+        results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 20)
+        for failed in results[:2]:
+            assert isinstance(failed, RequestFailed), failed
+            assert "sampling its next token failed" in str(failed)
+        assert not isinstance(results[2], BaseException) and results[2].output_tokens == 5
+        assert engine.error is None
+        assert engine.kv.stats().used_blocks == 0
+        later = await asyncio.wait_for(engine.complete("after", max_tokens=2), 10)
+        assert later.output_tokens == 2
+
+
+async def test_cancelling_a_non_streaming_request_aborts_it_and_frees_its_blocks() -> None:
+    # Issue 18, defect 8 (the engine's side): an HTTP server cancels the `complete` of a client
+    # that left; the request then computes no more tokens and its blocks go back. Several at
+    # once, cancelled while tokens flow: a cancellation that lands as a token arrives must not
+    # be lost (asyncio.wait_for before Python 3.12 dropped it, and the request ran to its end).
+    async with open_engine(_config()) as engine:
+        pending = [
+            asyncio.ensure_future(engine.complete(f"nobody reads this {i}", max_tokens=400))
+            for i in range(8)
+        ]
+        await wait_until(lambda: engine.stats().output_tokens >= 8 * 3, timeout=10.0)
+        assert engine.kv.stats().used_blocks > 0
+        for task in pending:
+            task.cancel()
+        results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        await wait_until(lambda: engine.kv.stats().used_blocks == 0, timeout=2.0)
+        stats = engine.stats()
+        assert (stats.running, stats.waiting, stats.failed) == (0, 0, 8)
+        assert all("abandoned" in (r.error or "") for r in engine.records())
+        # The engine goes on, and the cancelled requests got no token since: the next request's
+        # tokens are the only ones added.
+        await asyncio.wait_for(engine.complete("next", max_tokens=3), 10)
+        assert engine.stats().output_tokens == stats.output_tokens + 3
+
+
+async def test_a_request_that_can_never_fit_the_cache_is_refused_at_submit() -> None:
+    # Issue 18, capacity: with 4 blocks, 53 prompt tokens + max_tokens 200 (16 blocks) generated
+    # 13 tokens, stalled until its deadline and failed with a timeout.
+    async with open_engine(_config(max_blocks=4)) as engine:
+        with pytest.raises(RequestTooLarge, match="more KV blocks than the cache can ever hold"):
+            await asyncio.wait_for(engine.complete("x" * 53, max_tokens=200), 2)
+        stats = engine.stats()
+        assert (stats.waiting, stats.running, stats.steps, stats.failed) == (0, 0, 0, 0)
+        # 53 + 12 tokens: the 64 computed fill the 4 blocks exactly.
+        done = await asyncio.wait_for(engine.complete("x" * 53, max_tokens=12), 10)
+        assert done.output_tokens == 12
+
+
+async def test_a_request_over_its_shares_budget_is_refused_at_submit() -> None:
+    # 16 KiB pages of 8 blocks over 4 ranges: a budget of 128 KiB is 2 pages, 16 blocks; this
+    # request needs ceil((300 + 100 - 1) / 16) = 25.
+    share = f"test-engine-{uuid.uuid4().hex[:12]}"
+    config = _config(share=share, device_budget=128 << 10, page_size=16 << 10, max_blocks=1024)
+    async with open_engine(config) as engine:
+        with pytest.raises(RequestTooLarge, match="25 KV blocks"):
+            await asyncio.wait_for(engine.complete("s" * 300, max_tokens=100), 2)
+        assert engine.stats().waiting == 0
+        done = await asyncio.wait_for(engine.complete("s" * 100, max_tokens=20), 10)
+        assert done.output_tokens == 20

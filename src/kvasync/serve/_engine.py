@@ -264,10 +264,14 @@ class Engine:
             while True:
                 # The engine's loop fails a request at its deadline; this bound holds even if
                 # the loop is gone.
+                # NOTE: asyncio.timeout, not wait_for: before Python 3.12, wait_for returns the
+                # event that arrives as its task is cancelled and drops the cancellation, so a
+                # request whose caller left would run on to its end (issue 18, defect 8).
                 remaining = request.deadline - self._loop.time() + _STREAM_GRACE_S
                 try:
-                    event = await asyncio.wait_for(request.events.get(), max(0.0, remaining))
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(max(0.0, remaining)):
+                        event = await request.events.get()
+                except TimeoutError:
                     raise DeadlineExceeded(
                         f"request {request.request_id} got no output by its deadline"
                     ) from None
@@ -339,8 +343,10 @@ class Engine:
             await self._admit()
             if not self.scheduler.running:
                 self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):  # a bounded sleep, then expire
-                    await asyncio.wait_for(self._wake.wait(), _IDLE_WAIT_S)
+                # A bounded sleep, then expire (asyncio.timeout keeps close()'s cancellation).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(_IDLE_WAIT_S):
+                        await self._wake.wait()
                 continue
             await self._grow()
             if self.scheduler.running:
