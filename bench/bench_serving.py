@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -38,8 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import kvasync
-from kvasync.serve import EngineConfig, RequestFailed, RequestRecord
-from kvasync.serve._engine import Engine
+from kvasync.serve import Engine, EngineConfig, RequestFailed, RequestRecord, RequestTooLarge
 from kvasync.serve._report import MemorySampler, RunResult, markdown_table, plot_runs, summarize
 
 MIB = 1 << 20
@@ -83,7 +81,8 @@ def make_trace(
     """
     rng = np.random.default_rng(seed)
     peak = workload.peak_rate
-    t, requests = 0.0, []
+    t = 0.0
+    requests: list[TraceRequest] = []
     while True:
         t += rng.exponential(1 / peak)
         if t >= duration:
@@ -114,17 +113,28 @@ async def replay(
         with MemorySampler(lambda: kv.stats().mapped_bytes, 0.02) as sampler:
             sampler.start = start
 
+            refused = 0
+
             async def one(request: TraceRequest) -> None:
+                nonlocal refused
                 await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
-                with contextlib.suppress(RequestFailed):  # recorded by the engine
+                try:
                     await engine.complete(request.prompt, max_tokens=request.max_tokens)
+                except RequestTooLarge:  # refused at submit: the engine keeps no record of it
+                    refused += 1
+                except RequestFailed:  # recorded by the engine
+                    pass
 
             await asyncio.wait_for(asyncio.gather(*(one(r) for r in trace)), 600)
         duration = time.monotonic() - start
         records = [r for r in engine.records() if r.arrival >= start]
-        # Blocks moved out of pages the allocator drained (co-location: Note [Drain]).
-        moved = {"moved blocks": float(engine.stats().moved_blocks)}
-        return RunResult(name, records, sampler.samples, start, duration, moved)
+        extra = {
+            # Blocks moved out of pages the allocator drained (co-location: Note [Drain]).
+            "moved blocks": float(engine.stats().moved_blocks),
+            # Requests larger than the KV budget could ever hold (a budget set too small).
+            "requests refused": float(refused),
+        }
+        return RunResult(name, records, sampler.samples, start, duration, extra)
 
 
 def engine_config(args: argparse.Namespace, workload: Workload, **changes: object) -> EngineConfig:

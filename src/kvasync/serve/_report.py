@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._engine import RequestRecord
+from .._stats import percentile
+from ._records import RequestRecord
 
 __all__ = ["MemorySampler", "RunResult", "markdown_table", "plot_runs", "summarize"]
 
@@ -62,10 +63,6 @@ class RunResult:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def summarize(run: RunResult, slo_ttft: float | None = None) -> dict[str, float]:
     """Throughput, latency percentiles (ms), preemptions and memory (MiB) of a run."""
     done = [r for r in run.records if r.error is None]
@@ -83,10 +80,10 @@ def summarize(run: RunResult, slo_ttft: float | None = None) -> dict[str, float]
         "requests done": float(len(done)),
         "requests failed": float(len(run.records) - len(done)),
         "output tok/s": sum(r.output_tokens for r in done) / run.duration,
-        "TTFT p50 ms": 1e3 * _percentile(ttft, 50),
-        "TTFT p99 ms": 1e3 * _percentile(ttft, 99),
-        "TPOT p50 ms": 1e3 * _percentile(tpot, 50),
-        "TPOT p99 ms": 1e3 * _percentile(tpot, 99),
+        "TTFT p50 ms": 1e3 * percentile(ttft, 50),
+        "TTFT p99 ms": 1e3 * percentile(ttft, 99),
+        "TPOT p50 ms": 1e3 * percentile(tpot, 50),
+        "TPOT p99 ms": 1e3 * percentile(tpot, 99),
         "preemptions": float(sum(r.preemptions for r in run.records)),
         "KV peak MiB": max(memory) / MIB,
         "KV mean MiB": mean_memory / MIB,
