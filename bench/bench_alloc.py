@@ -32,9 +32,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import _tables as tables
 import torch
 
 import kvasync
+from kvasync._stats import percentile
 
 MIB = 1 << 20
 GRANULARITY = 2 * MIB  # the CUDA driver's mapping granularity on current GPUs; a multiple of 4 KiB
@@ -179,8 +181,8 @@ class Figures:
         return len(self.samples) * self.batch
 
     def p(self, q: float) -> float:
-        ordered = sorted(self.samples)
-        return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)] / 1000
+        """The ``q``-th percentile (0-100) of the per-op samples, in µs."""
+        return percentile(self.samples, q) / 1000
 
     @property
     def ops_per_s(self) -> float:
@@ -318,7 +320,7 @@ def print_table(rows: list[tuple[str, Figures, Figures | None]]) -> None:
     def fmt(f: Figures | None) -> list[str]:
         if f is None:
             return ["-", "-", "-"]
-        return [f"{f.p(0.5):.2f}", f"{f.p(0.99):.2f}", f"{f.ops_per_s:,.0f}"]
+        return [f"{f.p(50):.2f}", f"{f.p(99):.2f}", f"{f.ops_per_s:,.0f}"]
 
     head = [
         "op (alloc + free)",
@@ -332,21 +334,10 @@ def print_table(rows: list[tuple[str, Figures, Figures | None]]) -> None:
     ]
     body = []
     for name, ours, theirs in rows:
-        ratio = f"{theirs.p(0.5) / ours.p(0.5):.2f}x" if theirs else "-"
+        ratio = f"{theirs.p(50) / ours.p(50):.2f}x" if theirs else "-"
         body.append([name, *fmt(ours), *fmt(theirs), ratio])
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-
-    def cells(row: Sequence[str]) -> str:
-        padded = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    print(cells(head))
-    print("|" + "|".join(["-" * (widths[0] + 2)] + ["-" * (w + 1) + ":" for w in widths[1:]]) + "|")
-    for row in body:
-        print(cells(row))
-    hot = rows[0][1].p(0.5)
+    tables.print_table(head, body)
+    hot = rows[0][1].p(50)
     verdict = "met" if hot <= 2.0 else "NOT met"
     print(f"\ngoal: kvasync await alloc(1) + free p50 <= 2 µs: {verdict} ({hot:.2f} µs)")
 

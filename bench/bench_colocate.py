@@ -32,8 +32,11 @@ import time
 import uuid
 from typing import Any
 
+from _tables import print_table
+
 import kvasync
 from kvasync import ledger
+from kvasync._stats import percentile
 
 LAYOUT = kvasync.KVLayout(
     num_layers=4, num_kv_heads=8, head_dim=128, block_size=32, contiguous=True
@@ -41,13 +44,6 @@ LAYOUT = kvasync.KVLayout(
 PAGE = 2 << 20  # 4 blocks of 512 KiB per page
 BLOCKS_PER_PAGE = 4
 STEPS = 8  # allocs per burst
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # -- one engine (child process) ----------------------------------------------------------------
@@ -160,7 +156,11 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     def sample() -> None:
         while not done.is_set():
-            held = {e.name: e.committed_bytes for e in ledger.snapshot(share)}
+            try:
+                snapshot = ledger.snapshot(share)
+            except kvasync.KVAsyncError:  # the file went with the last member: nothing held
+                break
+            held = {e.name: e.committed_bytes for e in snapshot}
             samples.append((held.get("A", 0), held.get("B", 0)))
             time.sleep(0.005)
 
@@ -202,12 +202,12 @@ def summarize(
     return {
         "served": statistics.mean(b["served"] for b in bursts),
         "failed": sum(b["failed"] for b in bursts),
-        "fill_p50": percentile([b["fill_s"] for b in bursts], 0.5) * 1e3,
-        "fill_p99": percentile([b["fill_s"] for b in bursts], 0.99) * 1e3,
-        "wait_p50": percentile(waits_ms, 0.5),
-        "wait_p99": percentile(waits_ms, 0.99),
+        "fill_p50": percentile([b["fill_s"] for b in bursts], 50) * 1e3,
+        "fill_p99": percentile([b["fill_s"] for b in bursts], 99) * 1e3,
+        "wait_p50": percentile(waits_ms, 50),
+        "wait_p99": percentile(waits_ms, 99),
         "wake_n": len(wake_ms),
-        "wake_p50": percentile(wake_ms, 0.5),
+        "wake_p50": percentile(wake_ms, 50),
         "wake_max": max(wake_ms) if wake_ms else float("nan"),
         "held_mean": [statistics.mean(h) / budget for h in held],
         "held_peak": [max(h) / budget for h in held],
@@ -239,26 +239,38 @@ def main() -> None:
         f"{args.burst * 1e3:.0f} ms, offset by half a period"
     )
     results = {mode: run_mode(args, mode) for mode in ("shared", "static")}
-    header = (
-        "| mode | demand served | allocs failed | burst fill p50 / p99 (ms) | alloc wait p50 / p99 "
-        "(ms) | waits on the other's free: n, p50 / max (ms) | held mean A / B | held peak A / B "
-        "| peak A+B |"
-    )
-    print(header)
-    print("|" + "---|" * 9)
+    columns = [
+        "mode",
+        "demand served",
+        "allocs failed",
+        "burst fill p50 / p99 (ms)",
+        "alloc wait p50 / p99 (ms)",
+        "waits on the other's free: n, p50 / max (ms)",
+        "held mean A / B",
+        "held peak A / B",
+        "peak A+B",
+    ]
+    rows = []
     for mode, r in results.items():
         name = "one shared budget" if mode == "shared" else "static halves (baseline)"
         # Static halves never wait for the other's memory: a coincidence in time is no wait.
         wake = (
             f"{r['wake_n']}, {r['wake_p50']:.2f} / {r['wake_max']:.2f}" if mode == "shared" else "-"
         )
-        print(
-            f"| {name} | {r['served']:.0%} | {r['failed']} | {r['fill_p50']:.1f} / "
-            f"{r['fill_p99']:.1f} | {r['wait_p50']:.2f} / {r['wait_p99']:.2f} | {wake} | "
-            f"{r['held_mean'][0]:.0%} / "
-            f"{r['held_mean'][1]:.0%} | {r['held_peak'][0]:.0%} / {r['held_peak'][1]:.0%} | "
-            f"{r['peak_sum']:.0%} |"
+        rows.append(
+            [
+                name,
+                f"{r['served']:.0%}",
+                f"{r['failed']}",
+                f"{r['fill_p50']:.1f} / {r['fill_p99']:.1f}",
+                f"{r['wait_p50']:.2f} / {r['wait_p99']:.2f}",
+                wake,
+                f"{r['held_mean'][0]:.0%} / {r['held_mean'][1]:.0%}",
+                f"{r['held_peak'][0]:.0%} / {r['held_peak'][1]:.0%}",
+                f"{r['peak_sum']:.0%}",
+            ]
         )
+    print_table(columns, rows)
     print(
         "held: memory committed (mapping, mapped, unmapping) as a share of the budget, from the "
         f"ledger sampled every 5 ms ({results['shared']['samples']} samples with one budget)"

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import _tables as tables
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -314,16 +315,7 @@ def sweep_gather(kernels: ModuleType, args: argparse.Namespace) -> None:
 
 
 def print_table(rows: list[Row]) -> None:
-    lines = [HEADER, *(r.cells() for r in rows)]
-    widths = [max(len(line[k]) for line in lines) for k in range(len(HEADER))]
-
-    def fmt(line: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
-
-    print(fmt(HEADER))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines[1:]:
-        print(fmt(line))
+    tables.print_table(HEADER, [r.cells() for r in rows], justify=["left"] * len(HEADER))
 
 
 def parse_args() -> argparse.Namespace:

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from _tables import print_table
+
 import kvasync
 from kvasync import _core
 
@@ -230,15 +232,22 @@ def main() -> None:
 
     print(f"## 1. Driver floor per handle, median of {args.repeats} (us)")
     print()
-    print("| handle | create+map+access | map+access | unmap | release | cold cycle us/MiB |")
-    print("|---|---|---|---|---|---|")
     floors = driver_floors(args.repeats)
+    rows = []
     for mib, f in floors.items():
         cycle = (f["cold_map"] + f["unmap"] + f["release"]) * US / mib
-        print(
-            f"| {mib} MiB | {f['cold_map'] * US:.1f} | {f['pool_map'] * US:.1f} | "
-            f"{f['unmap'] * US:.1f} | {f['release'] * US:.1f} | {cycle:.2f} |"
+        rows.append(
+            [
+                f"{mib} MiB",
+                f"{f['cold_map'] * US:.1f}",
+                f"{f['pool_map'] * US:.1f}",
+                f"{f['unmap'] * US:.1f}",
+                f"{f['release'] * US:.1f}",
+                f"{cycle:.2f}",
+            ]
         )
+    columns = ["handle", "create+map+access", "map+access", "unmap", "release"]
+    print_table([*columns, "cold cycle us/MiB"], rows)
     results["floor"] = floors
     print()
     print("Does the reservation's size matter? create+map+access / map+access of one handle (us):")
@@ -270,11 +279,24 @@ def main() -> None:
 
     print("## 2. The allocator, reference geometry, awaited public API (kvasync / driver floor)")
     print()
-    print(
-        "| case | page id | hot us | fresh us | floor | fresh idle us | fresh pooled us | floor |"
-        " cycle us/MiB | floor | pooled us/MiB | floor | 16 GiB burst ms | floor | x floor |"
-    )
-    print("|---" * 15 + "|")
+    columns = [
+        "case",
+        "page id",
+        "hot us",
+        "fresh us",
+        "floor",
+        "fresh idle us",
+        "fresh pooled us",
+        "floor",
+        "cycle us/MiB",
+        "floor",
+        "pooled us/MiB",
+        "floor",
+        "16 GiB burst ms",
+        "floor",
+        "x floor",
+    ]
+    rows = []
     for case in CASES:
         if case.name not in args.cases:
             continue
@@ -283,27 +305,56 @@ def main() -> None:
         floor = fig["floor"]
         results["cases"].append(fig)
         cyc_mib = CYCLE_BLOCKS * BLOCK_MIB
-        print(
-            f"| {case.name} | {fig['page_mib']:.0f} MiB | {fig['hot'] * US:.2f} | "
-            f"{fig['fresh'] * US:.1f} | {floor['fresh'] * US:.1f} | {fig['fresh_idle'] * US:.1f} | "
-            f"{fig['fresh_pooled'] * US:.1f} | {floor['fresh_pooled'] * US:.1f} | "
-            f"{fig['cycle'] * US / cyc_mib:.2f} | {floor['cycle'] * US / cyc_mib:.2f} | "
-            f"{fig['cycle_pooled'] * US / cyc_mib:.2f} | "
-            f"{floor['cycle_pooled'] * US / cyc_mib:.2f} | {fig['burst'] * 1e3:.1f} | "
-            f"{floor['burst'] * 1e3:.1f} | {fig['burst'] / floor['burst']:.2f} |"
+        rows.append(
+            [
+                case.name,
+                f"{fig['page_mib']:.0f} MiB",
+                f"{fig['hot'] * US:.2f}",
+                f"{fig['fresh'] * US:.1f}",
+                f"{floor['fresh'] * US:.1f}",
+                f"{fig['fresh_idle'] * US:.1f}",
+                f"{fig['fresh_pooled'] * US:.1f}",
+                f"{floor['fresh_pooled'] * US:.1f}",
+                f"{fig['cycle'] * US / cyc_mib:.2f}",
+                f"{floor['cycle'] * US / cyc_mib:.2f}",
+                f"{fig['cycle_pooled'] * US / cyc_mib:.2f}",
+                f"{floor['cycle_pooled'] * US / cyc_mib:.2f}",
+                f"{fig['burst'] * 1e3:.1f}",
+                f"{floor['burst'] * 1e3:.1f}",
+                f"{fig['burst'] / floor['burst']:.2f}",
+            ]
         )
     ref = REFERENCE
-    print(
-        f"| kvcached (reference; same GPU model, 2026-11-30, not in this run) | 128 MiB | "
-        f"{ref['hot_us']:.1f} | {ref['fresh_us']:.0f} | | | | | {ref['cycle_us'] / 128:.2f} | | | "
-        f"| {ref['burst_ms']:.1f} | | |"
+    rows.append(
+        [
+            "kvcached (reference; same GPU model, 2026-11-30, not in this run)",
+            "128 MiB",
+            f"{ref['hot_us']:.1f}",
+            f"{ref['fresh_us']:.0f}",
+            *[""] * 4,
+            f"{ref['cycle_us'] / 128:.2f}",
+            *[""] * 3,
+            f"{ref['burst_ms']:.1f}",
+            "",
+            "",
+        ]
     )
     for name, before in BEFORE.items():
-        print(
-            f"| kvasync before, {name} (issue 8, not in this run) | | {before['hot_us']:.2f} | "
-            f"{before['fresh_us']:.0f} | | | | | {before['cycle_us'] / 128:.2f} | | | | "
-            f"{before['burst_ms']:.1f} | | |"
+        rows.append(
+            [
+                f"kvasync before, {name} (issue 8, not in this run)",
+                "",
+                f"{before['hot_us']:.2f}",
+                f"{before['fresh_us']:.0f}",
+                *[""] * 4,
+                f"{before['cycle_us'] / 128:.2f}",
+                *[""] * 3,
+                f"{before['burst_ms']:.1f}",
+                "",
+                "",
+            ]
         )
+    print_table(columns, rows)
     print()
 
     print("## 3. Where a fresh alloc's time goes: median us after the alloc call at each point of")
@@ -324,12 +375,11 @@ def print_goals(results: dict[str, Any]) -> None:
     cases = {c["case"]: c for c in results["cases"]}
     print("## 4. Goals (issue 8, part 2)")
     print()
-    print("| goal | measured | floor / bound | met |")
-    print("|---|---|---|---|")
+    rows: list[list[str]] = []
 
     def row(goal: str, measured: float, bound: float, unit: str, text: str = "") -> None:
         met = "met" if measured <= bound else "not met"
-        print(f"| {goal} | {measured:.2f} {unit} | {text or f'{bound:.2f} {unit}'} | {met} |")
+        rows.append([goal, f"{measured:.2f} {unit}", text or f"{bound:.2f} {unit}", met])
 
     c = cases.get("contiguous, default")
     if c:
@@ -348,6 +398,7 @@ def print_goals(results: dict[str, Any]) -> None:
     if p:
         f = p["floor"]
         row("per-layer fresh page id <= 1.2x floor", p["fresh"] / f["fresh"], 1.2, "x")
+    print_table(["goal", "measured", "floor / bound", "met"], rows)
     print()
 
 

@@ -22,6 +22,8 @@ import asyncio
 import statistics
 import time
 
+from _tables import print_table
+
 import kvasync
 
 LAYOUT = kvasync.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16)
@@ -119,10 +121,11 @@ def main() -> None:
     rows.update(sync_rows(batches, cold_ops))
     baseline = rows["async: await alloc(1) + free"]
     cold_baseline = rows["cold async: await alloc(1) + free"]
-    print(f"{'op':40} {'median µs':>10} {'vs baseline':>12}")
+    table = []
     for name, value in rows.items():
         base = cold_baseline if name.startswith("cold") else baseline
-        print(f"{name:40} {value:10.2f} {value / base:11.2f}x")
+        table.append([name, f"{value:.2f}", f"{value / base:.2f}x"])
+    print_table(["op", "median µs", "vs baseline"], table)
     elapsed, misses = grow()
     print(
         f"grow to a 64-page limit with alloc_nowait(100) retries: {elapsed * 1e3:.1f} ms, "
