@@ -477,8 +477,11 @@ def format_report(report: DemoReport) -> str:
     console = Console(file=io.StringIO(), width=200, color_system=None)
     with console.capture() as capture:
         console.print(table)
-    # The Markdown box draws an empty bottom edge: not part of the table.
-    return "\n".join(line.rstrip() for line in capture.get().splitlines() if line.strip())
+    # The Markdown box draws an empty bottom edge (not part of the table), and a rule with no
+    # alignment: the value column's ends with ":" (right-justified).
+    lines = [line.rstrip() for line in capture.get().splitlines() if line.strip()]
+    lines[1] = lines[1][:-2] + ":|"
+    return "\n".join(lines)
 
 
 _DEFAULTS = DemoOptions()
