@@ -35,7 +35,7 @@ from typing import Any
 from _tables import print_table
 
 import kvasync
-from kvasync import ledger
+from kvasync import share as ledger
 from kvasync._stats import percentile
 
 LAYOUT = kvasync.KVLayout(

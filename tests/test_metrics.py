@@ -1,4 +1,4 @@
-"""kvasync.metrics: a scrape agrees with stats(), and the latency histograms fill."""
+"""kvasync.integrations.metrics: a scrape agrees with stats(); the latency histograms fill."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvasync
-from kvasync import metrics
+from kvasync.integrations import metrics
 
 LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
 PER_PAGE = 512

@@ -136,7 +136,8 @@ class Allocator:
         self._loop_thread = threading.get_ident()  # where completions drain (opened there)
         self._trio: _loops.TrioDriver | None = None
         self._library = "asyncio"
-        # kvasync.metrics sets this: called with (waited, seconds) for every successful alloc.
+        # kvasync.integrations.metrics sets this: called with (waited, seconds) for every
+        # successful alloc.
         self._observe: Callable[[bool, float], None] | None = None
         self._stall = _log.StallWatch(config.stall_warning)
         self._stall_period = min(max(config.stall_warning / 2, 0.05), 1.0)
