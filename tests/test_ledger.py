@@ -44,10 +44,11 @@ RECLAIM_BOUND_S = 1.5
 class Worker:
     """A share_worker.py child: send a command, read its answer with a deadline."""
 
-    def __init__(self, backend: str = "host") -> None:
+    def __init__(self, backend: str = "host", prefix: tuple[str, ...] = ()) -> None:
+        # `prefix`: a command the worker runs under (e.g. unshare, for another pid namespace).
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), backend],
+            [*prefix, sys.executable, str(WORKER), backend],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,8 +107,8 @@ def share() -> Iterator[str]:
 def workers() -> Iterator[Callable[..., Worker]]:
     started: list[Worker] = []
 
-    def start(backend: str = "host") -> Worker:
-        started.append(Worker(backend))
+    def start(backend: str = "host", prefix: tuple[str, ...] = ()) -> Worker:
+        started.append(Worker(backend, prefix))
         return started[-1]
 
     yield start

@@ -241,10 +241,12 @@ void check_access(const std::string& path, const struct stat& st, const LedgerAc
                "users, set KVASYNC_SHARE_GROUP to a group they all belong to";
   } else {
     const auto gid = static_cast<gid_t>(access.group);
+    // root may own it too: it could read and change any file anyway, so trusting it grants
+    // nothing; and root is how an operator creates a group's file without being in the group.
     ok = ok && st.st_gid == gid && (st.st_mode & 007) == 0 &&
-         (st.st_uid == me || user_in_group(st.st_uid, gid));
+         (st.st_uid == me || st.st_uid == 0 || user_in_group(st.st_uid, gid));
     expected = "group " + group_name(gid) + ", no permission for others (0660), owned by " +
-               user_name(me) + " or a member of that group (KVASYNC_SHARE_GROUP)";
+               user_name(me) + ", root or a member of that group (KVASYNC_SHARE_GROUP)";
   }
   if (ok) return;
   throw LedgerError("refusing the ledger file " + path + ": it is " +

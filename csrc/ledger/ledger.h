@@ -83,8 +83,8 @@
 // with no permission for group or others (created 0600). To share a device between users, each
 // sets KVASYNC_SHARE_GROUP=<group> (LedgerAccess::group): the file is created with that group and
 // mode 0660, and accepted when its group is that one, others have no permission, and its owner is
-// this user or a member of the group. Anyone in the group can then read every entry and set any
-// member's limit, which is what sharing a device grants; nobody outside it can open the file.
+// this user, root, or a member of the group. Anyone in the group can then read every entry and set
+// any member's limit, which is what sharing a device grants; nobody outside it can open the file.
 //
 // Limitations: a ledger file truncated *while* processes have it mapped makes their next access
 // fault (SIGBUS); a truncated or corrupt file found at open is refused cleanly.

@@ -7,15 +7,29 @@ so this module imports nothing of the config (no cycle).
 
 from __future__ import annotations
 
+import glob
+import grp
 import os
 import re
 import sys
 
 from . import _core
 
-__all__ = ["check_share", "default_name", "default_share", "join", "ledger_path"]
+__all__ = [
+    "SHARE_GROUP_ENV",
+    "check_share",
+    "default_name",
+    "default_share",
+    "existing_shares",
+    "join",
+    "ledger_path",
+    "share_group",
+]
 
 LEDGER_DIR = "/dev/shm"
+LEDGER_PREFIX = "kvasync-ledger."
+# Note [Ledger access] (csrc/ledger/ledger.h): a group whose members share a device's ledger.
+SHARE_GROUP_ENV = "KVASYNC_SHARE_GROUP"
 _SHARE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -42,7 +56,36 @@ def ledger_path(share: str) -> str:
     Raises:
         TypeError, ValueError: ``share`` is not a valid share name.
     """
-    return os.path.join(LEDGER_DIR, f"kvasync-ledger.{check_share(share)}")
+    return os.path.join(LEDGER_DIR, f"{LEDGER_PREFIX}{check_share(share)}")
+
+
+def existing_shares() -> list[str]:
+    """The names of the shares that have a ledger file on this machine, sorted."""
+    names = []
+    for path in glob.glob(os.path.join(LEDGER_DIR, f"{LEDGER_PREFIX}*")):
+        name = os.path.basename(path)[len(LEDGER_PREFIX) :]
+        if ".tmp." not in name and _SHARE_NAME.fullmatch(name):  # not a file being created
+            names.append(name)
+    return sorted(names)
+
+
+def share_group() -> int:
+    """The gid named by ``KVASYNC_SHARE_GROUP`` (a group name or number), or -1 when unset.
+
+    Unset, a share's ledger file is its user's alone (mode 0600, and a file owned by anyone else
+    is refused). Set, the file is created with that group and mode 0660, and a file of that group
+    owned by one of its members is accepted: the way to share a device between users.
+
+    Raises:
+        ValueError: the variable names no group of this machine.
+    """
+    value = os.environ.get(SHARE_GROUP_ENV, "").strip()
+    if not value:
+        return -1
+    try:
+        return grp.getgrgid(int(value)).gr_gid if value.isdigit() else grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ValueError(f"{SHARE_GROUP_ENV}={value!r} names no group of this machine") from None
 
 
 def default_share(device: int | str = 0) -> str:
@@ -87,6 +130,8 @@ def join(share: str, name: str, budget_bytes: int, page_bytes: int) -> _core.Sha
     """Takes an entry in the share's ledger (creating the file if needed).
 
     Raises:
-        KVAsyncError: the ledger file is unusable (corrupt, another version, full, no rights).
+        KVAsyncError: the ledger file is unusable (corrupt, another version, full, no rights), or
+            its owner or mode is not the one ``KVASYNC_SHARE_GROUP`` asks for (``share_group``).
+        ValueError: ``KVASYNC_SHARE_GROUP`` names no group.
     """
-    return _core.ShareMember(ledger_path(share), name, budget_bytes, page_bytes)
+    return _core.ShareMember(ledger_path(share), name, budget_bytes, page_bytes, share_group())

@@ -15,7 +15,18 @@ from ._ledger import LedgerEntry as LedgerEntry
 from ._ledger import budget as budget
 from ._ledger import default_share as default_share
 from ._ledger import path as path
+from ._ledger import prune as prune
 from ._ledger import set_limit as set_limit
+from ._ledger import shares as shares
 from ._ledger import snapshot as snapshot
 
-__all__ = ["LedgerEntry", "budget", "default_share", "path", "set_limit", "snapshot"]
+__all__ = [
+    "LedgerEntry",
+    "budget",
+    "default_share",
+    "path",
+    "prune",
+    "set_limit",
+    "shares",
+    "snapshot",
+]

@@ -43,7 +43,29 @@ def _snapshot(share: str) -> list[ledger.LedgerEntry]:
     try:
         return ledger.snapshot(share)
     except (KVAsyncError, ValueError, TypeError) as error:
-        raise click.ClickException(str(error)) from error
+        message = str(error)
+        if not os.path.exists(ledger.path(share)):
+            message += f" ({_shares_text()})"
+        raise click.ClickException(message) from error
+
+
+def _snapshot_if_any(share: str) -> list[ledger.LedgerEntry] | None:
+    """The share's entries, or None when it has no ledger file (nobody joined, or all left)."""
+    if not os.path.exists(ledger.path(share)):
+        return None
+    try:
+        return ledger.snapshot(share)
+    except KVAsyncError:
+        if not os.path.exists(ledger.path(share)):  # its last member left meanwhile
+            return None
+        raise
+
+
+def _shares_text() -> str:
+    names = ledger.shares()
+    if not names:
+        return f"no share on this machine: no {ledger.path('NAME').replace('NAME', '*')} file"
+    return "shares on this machine: " + ", ".join(names)
 
 
 def _op_text(entry: ledger.LedgerEntry) -> Text:
@@ -87,16 +109,70 @@ def _summary(share: str, entries: list[ledger.LedgerEntry]) -> dict[str, object]
     }
 
 
+def _waiting(share: str) -> Text:
+    return Text(f"kvasync share {share!r}: waiting for allocators to join ({_shares_text()})")
+
+
+def _prune(names: list[str]) -> None:
+    failed = False
+    for name in names:
+        try:
+            removed = ledger.prune(name)
+        except (KVAsyncError, ValueError) as error:
+            click.echo(f"{name}: kept: {error}", err=True)
+            failed = True
+            continue
+        click.echo(f"{name}: " + ("removed (no live allocator)" if removed else "in use, kept"))
+    if failed:
+        raise click.ClickException("some ledger files could not be checked (see above)")
+
+
 @click.command("ls", params=[_share_option()])
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
-def ls_command(share: str | None, as_json: bool) -> None:
-    """Lists every allocator on a device share once."""
-    name = share or _default_share()
-    entries = _snapshot(name)
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Remove the ledger files of shares with no live allocator (all shares, or --share).",
+)
+def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
+    """Lists every allocator on a device share once.
+
+    Without --share or $KVASYNC_SHARE, and with no ledger for CUDA device 0, lists every share
+    on this machine instead.
+    """
+    if prune:
+        _prune([share] if share else ledger.shares())
+        return
+    chosen = share or os.environ.get("KVASYNC_SHARE")
+    name = chosen or _default_share()
+    # No share named and none for CUDA device 0 here: say what there is instead of failing.
+    every_share = not chosen and not os.path.exists(ledger.path(name))
+    names = ledger.shares() if every_share else [name]
+    found: list[tuple[str, list[ledger.LedgerEntry]]] = []
+    unusable = []
+    for n in names:
+        if not every_share:
+            found.append((n, _snapshot(n)))  # a share asked for by name must exist
+            continue
+        try:
+            entries = _snapshot_if_any(n)
+        except (KVAsyncError, ValueError) as error:
+            unusable.append(f"{n}: {error}")  # one bad file does not hide the others
+            continue
+        if entries is not None:  # None: its last allocator left since it was listed
+            found.append((n, entries))
     if as_json:
-        click.echo(json.dumps(_summary(name, entries), indent=2))
+        summaries = [_summary(n, entries) for n, entries in found]
+        click.echo(json.dumps({"shares": summaries} if every_share else summaries[0], indent=2))
     else:
-        Console().print(render(name, entries))
+        console = Console()
+        if every_share and not found and not unusable:
+            console.print(Text(f"kvasync: {_shares_text()}"))
+        for n, entries in found:
+            console.print(render(n, entries))
+    # An overview nobody asked of one share: a file it cannot read is reported, not a failure.
+    for line in unusable:
+        click.echo(f"kvasync: cannot read share {line}", err=True)
 
 
 @click.command("top", params=[_share_option()])
@@ -114,15 +190,27 @@ def ls_command(share: str | None, as_json: bool) -> None:
     help="Stop after this many refreshes (default: until ^C).",
 )
 def top_command(share: str | None, interval: float, count: int) -> None:
-    """Shows every allocator on a device share, refreshing until ^C."""
+    """Shows every allocator on a device share, refreshing until ^C.
+
+    A share nobody has joined yet (or whose allocators all left) is shown as waiting: top keeps
+    refreshing until allocators join.
+    """
     name = share or _default_share()
     console = Console()
     refreshes = 0
+
+    def view() -> Group | Text:
+        try:
+            entries = _snapshot_if_any(name)
+        except (KVAsyncError, ValueError) as error:
+            raise click.ClickException(str(error)) from error
+        return render(name, entries) if entries else _waiting(name)
+
     try:
-        with Live(render(name, _snapshot(name)), console=console, auto_refresh=False) as live:
+        with Live(view(), console=console, auto_refresh=False) as live:
             while count == 0 or refreshes < count:
                 time.sleep(interval)
-                live.update(render(name, _snapshot(name)), refresh=True)
+                live.update(view(), refresh=True)
                 refreshes += 1
     except KeyboardInterrupt:
         pass

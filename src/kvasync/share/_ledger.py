@@ -17,9 +17,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .. import _core
-from .._share_names import check_share, default_share, ledger_path
+from .._share_names import check_share, default_share, existing_shares, ledger_path, share_group
 
-__all__ = ["LedgerEntry", "budget", "default_share", "path", "set_limit", "snapshot"]
+__all__ = [
+    "LedgerEntry",
+    "budget",
+    "default_share",
+    "path",
+    "prune",
+    "set_limit",
+    "shares",
+    "snapshot",
+]
 
 DEFAULT_TIMEOUT = 2.0  # seconds to wait for the ledger's lock
 
@@ -46,6 +55,12 @@ class LedgerEntry:
     op: str  # what its mapper is doing ("" when idle)
     op_age_s: float
     serial: int  # tells apart allocators of one process
+    # The owner's pid namespace (inode of /proc/self/ns/pid). ``foreign``: not the reader's, so
+    # ``pid`` is not a pid of the reader's (another container); such an entry is judged alive by
+    # its heartbeat, ``heartbeat_age_s`` old.
+    pid_namespace: int = 0
+    foreign: bool = False
+    heartbeat_age_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The entry as a JSON-ready dict."""
@@ -77,7 +92,7 @@ def snapshot(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> list[LedgerEntr
             truncated, or its lock stayed taken past the timeout.
     """
     check_share(share)
-    rows = _core.ledger_snapshot(ledger_path(share), _check_timeout(timeout))
+    rows = _core.ledger_snapshot(ledger_path(share), _check_timeout(timeout), share_group())
     return [
         LedgerEntry(
             pid=row["pid"],
@@ -94,6 +109,9 @@ def snapshot(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> list[LedgerEntr
             op=row["op"],
             op_age_s=row["op_age_s"],
             serial=row["serial"],
+            pid_namespace=row["pid_namespace"],
+            foreign=row["foreign"],
+            heartbeat_age_s=row["heartbeat_age_s"],
         )
         for row in rows
     ]
@@ -131,10 +149,34 @@ def set_limit(share: str, pid: int, limit: int | None, *, timeout: float = DEFAU
         raise ValueError(f"pid must be a positive int, got {pid!r}")
     if limit is not None and (type(limit) is not int or limit <= 0):
         raise ValueError(f"limit must be a positive int of bytes or None, got {limit!r}")
-    count = _core.ledger_set_limit(ledger_path(share), pid, limit or 0, _check_timeout(timeout))
+    count = _core.ledger_set_limit(
+        ledger_path(share), pid, limit or 0, _check_timeout(timeout), share_group()
+    )
     if count == 0:
         raise ValueError(f"process {pid} has no allocator on share {share!r}")
     return count
+
+
+def shares() -> list[str]:
+    """The shares with a ledger file on this machine (``/dev/shm/kvasync-ledger.*``), sorted."""
+    return existing_shares()
+
+
+def prune(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Removes ``share``'s ledger file when no live allocator is left in it.
+
+    The entries of dead processes are reclaimed first, under the ledger's lock; the file is
+    removed under that lock too, so an allocator joining meanwhile opens a new file instead.
+
+    Returns:
+        Whether the file was removed (False: a live allocator still uses it).
+
+    Raises:
+        ValueError, TypeError: a bad share name or timeout.
+        KVAsyncError: no ledger for the share, or it is unusable (see ``snapshot``).
+    """
+    check_share(share)
+    return bool(_core.ledger_prune(ledger_path(share), _check_timeout(timeout), share_group()))
 
 
 def _check_timeout(timeout: float) -> float:
