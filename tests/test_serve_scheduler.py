@@ -8,14 +8,16 @@ allocator whose limit was lowered, where free blocks and available blocks differ
 
 from __future__ import annotations
 
+import ast
 import itertools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
 
 import kvasync
-from kvasync.serve import EngineConfig, RequestFailed, RequestTooLarge
+from kvasync.serve import EngineConfig, RequestFailed, RequestTooLarge, _scheduler
 from kvasync.serve._config import AllocatorView
 from kvasync.serve._scheduler import KVView, Request, Scheduler
 
@@ -100,7 +102,8 @@ class Harness:
 
 
 def test_admission_takes_the_oldest_while_the_available_blocks_hold_them() -> None:
-    harness = Harness(Blocks(available=5))
+    view = Blocks(available=5)
+    harness = Harness(view)
     first, second, third = (harness.submit(30), harness.submit(40), harness.submit(20))
     # 2 + 3 blocks fit in 5; the third (2 blocks) does not, and admission pauses.
     assert harness.admit_all() == [first, second]
@@ -109,7 +112,7 @@ def test_admission_takes_the_oldest_while_the_available_blocks_hold_them() -> No
     assert harness.scheduler.paused
     # Blocks freed (a request ended) unpause it, and the third is admitted.
     harness.scheduler.remove(first)
-    harness.view.give_back(first.blocks)
+    view.give_back(first.blocks)
     harness.scheduler.unpause()
     assert harness.admit_all() == [third]
 
@@ -117,15 +120,16 @@ def test_admission_takes_the_oldest_while_the_available_blocks_hold_them() -> No
 def test_admission_under_a_shares_headroom_waits_though_blocks_are_free() -> None:
     # In a share, available_blocks counts only the budget the share leaves this allocator: free
     # blocks it holds are not enough when the head of the queue needs more than that headroom.
-    harness = Harness(Blocks(available=4))
+    view = Blocks(available=4)
+    harness = Harness(view)
     running = harness.submit(16)
     assert harness.admit_all() == [running]
-    harness.view.available = 2  # another member of the share took the rest of the budget
+    view.available = 2  # another member of the share took the rest of the budget
     waiting = harness.submit(40)  # 3 blocks
     assert harness.scheduler.next_admission(now=1.0) is None
     assert harness.scheduler.paused
     # Paused for the patience at most: in a share, memory comes back from the other members.
-    harness.view.available = 3
+    view.available = 3
     assert harness.scheduler.next_admission(now=1.01) is None
     admission = harness.scheduler.next_admission(now=1.2)
     assert admission is not None and admission.request is waiting and admission.need == 3
@@ -153,11 +157,12 @@ def test_admission_respects_the_batch_and_its_token_budget() -> None:
 
 
 def test_growth_preempts_the_youngest_first_and_requeues_it_at_the_head() -> None:
-    harness = Harness(Blocks(available=6))
+    view = Blocks(available=6)
+    harness = Harness(view)
     old, middle, young = harness.submit(16), harness.submit(16), harness.submit(16)
     late = harness.submit(10)
     assert harness.admit_all() == [old, middle, young, late]
-    harness.view.available = 0  # the cache is full
+    view.available = 0  # the cache is full
     for request in (old, middle, young):
         harness.decode(request)  # 17 tokens: each crosses into a second block
     for _ in range(16):
@@ -274,3 +279,16 @@ async def test_over_a_real_allocator_a_drain_keeps_free_blocks_from_admission() 
         plan = harness.scheduler.plan_vacate(32)
         assert plan.holders == [running] and plan.count == 2
         kv.free(kept)
+
+
+def test_the_scheduler_imports_no_model_no_torch_and_no_event_loop() -> None:
+    tree = ast.parse(Path(_scheduler.__file__).read_text())
+    imported = {
+        name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+    }
+    assert not imported & {"torch", "asyncio", "_model", "_runner", "_engine", "_attention"}
