@@ -39,6 +39,13 @@ __all__ = ["demo_command", "serve_command"]
     help="with --share: bytes the share's engines may map together (12GiB, 512MiB, ...).",
 )
 @click.option("--name", default="kvasync-serve", show_default=True, help="name in the share.")
+@click.option(
+    "--max-waiting",
+    default=None,
+    type=click.IntRange(1),
+    help="requests that may wait for admission; one more is answered 429 with Retry-After "
+    "(default: unbounded).",
+)
 def serve_command(
     preset: str,
     host: str,
@@ -51,12 +58,14 @@ def serve_command(
     share: str | None,
     device_budget: str | None,
     name: str,
+    max_waiting: int | None,
 ) -> None:
-    """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions)."""
+    """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions and
+    /v1/chat/completions)."""
     import uvicorn
 
     from .._sizes import parse_size
-    from ._http import create_app
+    from ._http import create_app, uvicorn_log_config
 
     if device_budget is not None and share is None:
         raise click.BadParameter("--device-budget needs --share", param_hint="--device-budget")
@@ -78,7 +87,10 @@ def serve_command(
         )
     except ValueError as error:
         raise click.BadParameter(str(error)) from None
-    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+    app = create_app(config, max_waiting=max_waiting)
+    # uvicorn's log configuration with kvasync's loggers: the start-up line names the model,
+    # device and KV settings.
+    uvicorn.run(app, host=host, port=port, log_level="info", log_config=uvicorn_log_config())
 
 
 @click.command("demo")

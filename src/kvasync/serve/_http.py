@@ -527,10 +527,10 @@ def create_app(config: EngineConfig, *, max_waiting: int | None = None) -> FastA
             with ``Retry-After``. None = unbounded.
 
     Raises:
-        ValueError: ``max_waiting`` below 0.
+        ValueError: ``max_waiting`` below 1 (every request waits, however briefly).
     """
-    if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
-        raise ValueError(f"max_waiting must be an int >= 0 or None, got {max_waiting!r}")
+    if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 1):
+        raise ValueError(f"max_waiting must be an int >= 1 or None, got {max_waiting!r}")
     servers: list[_Server] = []  # the one server, once the lifespan opened its engine
 
     @asynccontextmanager
