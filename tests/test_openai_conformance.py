@@ -144,6 +144,17 @@ def test_a_mistyped_field_is_a_400_never_converted(base_url: str, field: str, va
     assert _assert_openai_error(_post(base_url, "/v1/completions", body), 400)["param"] == field
 
 
+@pytest.mark.parametrize("temperature", [1e308, 1e-300, -1.0])
+def test_a_temperature_the_sampler_cannot_use_is_a_400_and_the_server_serves_on(
+    base_url: str, temperature: float
+) -> None:
+    client = _client(base_url)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=temperature)
+    assert raised.value.param == "temperature"
+    assert len(client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text)
+
+
 def test_an_unknown_route_is_an_openai_error(base_url: str) -> None:
     error = _assert_openai_error(_post(base_url, "/v1/embeddings", {"model": MODEL}), 404)
     assert error["code"] == "not_found"

@@ -208,8 +208,12 @@ class _Generation:
         except (RequestFailed, ValueError) as error:
             raise _openai_error(error) from error
         finally:
-            await self._stream.aclose()  # NOTE: a request still running is aborted here
+            await self.close()  # NOTE: a request still running is aborted here
             self._observe_tpot()
+
+    async def close(self) -> None:
+        """Aborts the request in the engine if it still runs (idempotent)."""
+        await self._stream.aclose()
 
     def usage(self) -> dict[str, int]:
         """OpenAI's ``usage`` object: the tokens of the prompt and those generated."""
@@ -308,6 +312,22 @@ class _EngineCollector:
             ("requests_waiting", s.waiting, "requests waiting for admission"),
         ):
             yield GaugeMetricFamily(f"kvasync_engine_{name}", help_text, value=value)
+
+
+class _GenerationResponse(StreamingResponse):
+    """A stream of a generation's events that aborts the generation however the response
+    ends: a client that leaves before the first event was sent never starts the iterator, so
+    the iterator's own cleanup would not run."""
+
+    def __init__(self, events: AsyncIterator[str], generation: _Generation) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._generation = generation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._generation.close()
 
 
 class _ClientLeft(Exception):
@@ -447,7 +467,7 @@ async def _answer(
             yield _sse(error.body())
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _GenerationResponse(events(), generation)
 
 
 def _log_start(server: _Server, config: EngineConfig) -> None:
