@@ -21,6 +21,8 @@ kernels (``kernels/``, shipped as ``kvasync.kernels``) are walked too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -246,6 +248,20 @@ def test_the_walk_sees_the_core_and_its_consumers() -> None:
         module for module in ours if is_core(module)
     }
     assert not is_core("kvasync.__main__") and not is_core("kvasync.share._cli")
+
+
+def test_import_kvasync_loads_no_consumer_and_no_consumer_library() -> None:
+    # The same rule at run time, in a fresh interpreter: what `import kvasync` really loads.
+    code = (
+        "import sys, kvasync\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.partition('.')[0] in sys.argv[1:]\n"
+        "    or m.startswith('kvasync.'))))\n"
+    )
+    command = [sys.executable, "-c", code, *CONSUMER_LIBRARIES]
+    loaded = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    modules = loaded.stdout.split()
+    assert "kvasync._allocator" in modules  # the probe sees what was imported
+    assert [m for m in modules if not is_core(m)] == []  # kvasync._core (compiled) is core
 
 
 # -- the checks fail when they should: a small package written for each case -------------------
