@@ -214,3 +214,39 @@ def test_threads_share_an_allocator_opened_under_trio():
             assert kv.stats().used_blocks == 0 and kv._slots.slots == {}
 
     trio.run(main)
+
+
+def test_the_facade_has_every_public_method_and_property_of_allocator():
+    # The README promises "the same methods": every public name of Allocator, with the same
+    # parameters, except the async constructor (open_allocator_sync is the facade's).
+    import inspect
+
+    for name, member in vars(kvasync.Allocator).items():
+        if name.startswith("_") or name == "open":
+            continue
+        mine = inspect.getattr_static(kvasync.SyncAllocator, name, None)
+        assert mine is not None, f"SyncAllocator lacks {name}"
+        assert isinstance(mine, property) == isinstance(member, property), name
+        if callable(member):
+            assert inspect.signature(mine) == inspect.signature(member), name
+
+
+def test_the_facade_reports_the_page_size_and_the_first_draining_block():
+    cfg = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        assert kv.page_size == 2 << 20 == kv.allocator.page_size
+        blocks = kv.alloc(3 * PER_PAGE, timeout=5.0)  # pages 0, 1 and 2, every block in use
+        assert kv.drain_from() is None
+        kv.resize(memory_limit=2 * PAGE_BYTES, timeout=5.0)
+        assert kv.drain_from() == 2 * PER_PAGE  # page 2 drains: a scheduler frees from here
+        kv.free([b for b in blocks if b >= 2 * PER_PAGE])
+        deadline = time.monotonic() + 5.0
+        while kv.drain_from() is not None:  # unmapped once its last block is freed
+            assert time.monotonic() < deadline, "page 2 was not given back within 5 s"
+            time.sleep(0.001)
+        assert kv.stats().mapped_pages == 2
+        kv.free([b for b in blocks if b < 2 * PER_PAGE])
+        kv.trim(timeout=5.0, release_handles=False)
+        assert kv.stats().mapped_pages == 0
+        with pytest.raises(TypeError, match="release_handles"):
+            kv.trim(release_handles=1)  # type: ignore[arg-type]

@@ -798,8 +798,8 @@ class _DriverPort:
     def start_alloc(self, n: int, due: float) -> list[int] | int:
         return self._pool.alloc(n, due)
 
-    def start_trim(self, due: float) -> list[int] | int:
-        return self._pool.trim(due) or []
+    def start_trim(self, due: float, release_handles: bool) -> list[int] | int:
+        return self._pool.trim(due, release_handles) or []
 
     def start_resize(self, pages: int, due: float) -> list[int] | int:
         return self._pool.set_limit_pages(pages, due) or []

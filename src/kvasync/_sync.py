@@ -51,7 +51,7 @@ class RequestSource(Protocol):
     def start_alloc(self, n: int, due: float) -> list[int] | int:
         """Blocks now, or the id of a request that waits until ``due`` (monotonic)."""
 
-    def start_trim(self, due: float) -> list[int] | int:
+    def start_trim(self, due: float, release_handles: bool) -> list[int] | int:
         """``[]`` when nothing is left to unmap, else the id of the request to wait for."""
 
     def start_resize(self, pages: int, due: float) -> list[int] | int:
@@ -146,18 +146,28 @@ class SyncAllocator:
         """As ``Allocator.available_blocks``."""
         return self._kv.available_blocks()
 
+    def drain_from(self) -> int | None:
+        """As ``Allocator.drain_from``: the first block id of the pages to give back, or None."""
+        return self._kv.drain_from()
+
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """As ``Allocator.free``: never blocks; from any thread."""
         self._kv.free(ids, after=after)
 
     # -- memory -----------------------------------------------------------------------------
 
-    def trim(self, *, timeout: float | None = None) -> None:
-        """As ``Allocator.trim``, blocking this thread at most ``timeout``."""
+    def trim(self, *, timeout: float | None = None, release_handles: bool = True) -> None:
+        """As ``Allocator.trim``, blocking this thread at most ``timeout``.
+
+        Raises:
+            TypeError: ``release_handles`` is not a bool.
+        """
+        if type(release_handles) is not bool:
+            raise TypeError(f"release_handles must be a bool, got {release_handles!r}")
         source = self._source
         due = self._due(timeout, None)
         self._check_thread()
-        self._call(lambda: source.start_trim(due), due, "trim")
+        self._call(lambda: source.start_trim(due, release_handles), due, "trim")
 
     def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
@@ -203,6 +213,11 @@ class SyncAllocator:
     def num_blocks(self) -> int:
         """Virtual capacity in blocks."""
         return self._kv.num_blocks
+
+    @property
+    def page_size(self) -> int:
+        """As ``Allocator.page_size``: the unit of mapping in use, in bytes of each range."""
+        return self._kv.page_size
 
     @property
     def layout(self) -> KVLayout:
