@@ -4,17 +4,54 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import kvasync
 
 
 def test_all_matches_the_public_names():
+    # The names load on first use (PEP 562), so dir() lists them before any is touched.
     public = {
         name
-        for name, value in vars(kvasync).items()
-        if not name.startswith("_") and not inspect.ismodule(value)
+        for name in dir(kvasync)
+        if not name.startswith("_") and not inspect.ismodule(getattr(kvasync, name))
     }
     assert set(kvasync.__all__) == public
+    assert {name for name, value in vars(kvasync).items() if name in public} == public  # cached
+    with pytest.raises(AttributeError, match="no attribute 'Allocater'"):
+        kvasync.Allocater  # noqa: B018
+
+
+def _modules_after(code: str) -> set[str]:
+    """The modules a fresh interpreter has imported after running ``code``."""
+    probe = f"{code}\nimport sys\nprint(' '.join(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    return set(done.stdout.split())
+
+
+@pytest.mark.parametrize("option", ["--version", "--help"])
+def test_version_and_help_import_neither_torch_nor_the_extension(option):
+    # kvasync --version took 1.8 s when `import kvasync` imported torch (issue 18).
+    modules = _modules_after(
+        "from kvasync.cli import main\n"
+        "try:\n"
+        f"    main([{option!r}])\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+    )
+    assert "kvasync.cli" in modules
+    assert {"torch", "numpy", "kvasync._core", "kvasync._allocator"}.isdisjoint(modules)
+
+
+def test_a_public_name_imports_its_module_on_first_use():
+    modules = _modules_after("import kvasync\nkvasync.KVLayout")
+    assert "kvasync._layout" in modules and "kvasync._allocator" not in modules
+    assert "torch" in modules  # KVLayout's dtype is a torch dtype
 
 
 def test_errors_subclass_what_callers_expect():
