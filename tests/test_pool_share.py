@@ -100,6 +100,8 @@ def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait(timeout=10.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def lock_taken(share: str) -> bool:
