@@ -74,9 +74,6 @@ int64_t page_count(const PoolConfig& config) {
   return pages;
 }
 
-// Note [Nowait maps]: how long the reserve keeps a missed alloc_nowait's pages from trimming.
-constexpr auto kNowaitHold = std::chrono::seconds(1);
-
 const char* job_name(JobKind kind) {
   switch (kind) {
     case JobKind::kMapForRequest: return "map";
@@ -158,7 +155,8 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
       config_(config),
       unmapped_(std::max<int64_t>(page_count(config), 1)),
       reserve_(std::max<int64_t>(page_count(config), 1)),
-      with_free_(std::max<int64_t>(page_count(config), 1)) {
+      with_free_(std::max<int64_t>(page_count(config), 1)),
+      policy_(config.limit_pages, config.reserve_low, config.reserve_high) {
   const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
   const int64_t num_pages = page_count(config);
   if (num_pages <= 0) {
@@ -196,7 +194,6 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
     unmapped_.insert(p);
   }
   count_[static_cast<int>(PageState::kUnmapped)] = num_pages;
-  configured_limit_pages_ = config.limit_pages;
   block_used_.assign(config.num_blocks, 0);
 }
 
@@ -213,7 +210,7 @@ int64_t PagePool::headroom_pages() const {
   // Signed on purpose: a limit lowered below what is mapped gives a negative headroom, "none".
   const int64_t committed = count_[(int)PageState::kMapping] + count_[(int)PageState::kFree] +
                             count_[(int)PageState::kInUse] + count_[(int)PageState::kUnmapping];
-  return config_.limit_pages - committed;
+  return policy_.headroom(committed);
 }
 
 int64_t PagePool::limit_blocks(int64_t limit_pages) const {
@@ -234,22 +231,23 @@ int64_t PagePool::page_of(int64_t block) const {
 
 int64_t PagePool::available_to_newcomer() const {
   // See Note [Waiters]: only the waiters' demand not covered by their own maps protects blocks.
-  // Over the limit, a page still mapping drains when it lands (Note [Drain]): no waiter can
-  // count on it, and all their demand protects the free blocks (first come, first served).
+  // Over the limit, a page still mapping drains when it lands (Note [Limit policy]): no waiter
+  // can count on it, and all their demand protects the free blocks (first come, first served).
   const int64_t incoming = headroom_pages() < 0 ? 0 : incoming_for_waiters_;
   const int64_t protected_blocks = std::max<int64_t>(0, waiting_blocks_ - incoming);
   return usable_free_blocks() - protected_blocks;
 }
 
 bool PagePool::draining() const {
-  // Note [Drain]: only while the pool is over its limit; once within it, every page serves again.
-  return drain_from_page_ != INT64_MAX && headroom_pages() < 0;
+  // Note [Limit policy]: only while the pool is over its limit; once within it, every page
+  // serves again.
+  return policy_.draining(headroom_pages());
 }
 
 int64_t PagePool::usable_free_blocks() const {
   if (!draining()) return free_blocks_;
   int64_t draining_free = 0;
-  for (int64_t page = with_free_.last(); page >= drain_from_page_;
+  for (int64_t page = with_free_.last(); page >= policy_.drain_from_page();
        page = with_free_.prev(page - 1)) {
     draining_free += static_cast<int64_t>(pages_[page].free_slots.size());
   }
@@ -257,37 +255,26 @@ int64_t PagePool::usable_free_blocks() const {
 }
 
 void PagePool::plan_drain() {
-  // Note [Drain]: the mapped pages over the limit (less those already unmapping), highest
-  // first: allocation packs into the lowest pages, so these hold the fewest (and youngest)
-  // blocks. Not pages still mapping: their blocks count as incoming for the waiters they are
-  // mapped for (Note [Waiters]); once they land, the next plan counts them. Re-planned whenever
-  // pages land or leave while over the limit, so the set shrinks as pages are unmapped.
-  drain_from_page_ = INT64_MAX;
-  int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
-  if (over <= 0) return;  // the common case: nothing to scan
-  for (int64_t page = static_cast<int64_t>(pages_.size()) - 1; page >= 0 && over > 0; --page) {
+  // Note [Limit policy]: the mapped pages over the limit (less those already unmapping),
+  // highest first: allocation packs into the lowest pages, so these hold the fewest (and
+  // youngest) blocks. Not pages still mapping: their blocks count as incoming for the waiters
+  // they are mapped for (Note [Waiters]); once they land, the next plan counts them.
+  const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
+  policy_.plan_drain(over, static_cast<int64_t>(pages_.size()), [&](int64_t page) {
     const PageState state = pages_[page].state;
-    if (state != PageState::kFree && state != PageState::kInUse) continue;
-    drain_from_page_ = page;
-    --over;
-  }
+    return state == PageState::kFree || state == PageState::kInUse;
+  });
 }
 
 std::vector<int64_t> PagePool::free_draining_pages(int64_t max_pages) const {
   std::vector<int64_t> pages;
   if (!draining()) return pages;
   for (int64_t page = reserve_.last();
-       page >= drain_from_page_ && static_cast<int64_t>(pages.size()) < max_pages;
+       page >= policy_.drain_from_page() && static_cast<int64_t>(pages.size()) < max_pages;
        page = reserve_.prev(page - 1)) {
     pages.push_back(page);
   }
   return pages;
-}
-
-int64_t PagePool::reserve_kept_pages(Clock::time_point now) const {
-  const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
-  const int64_t held = now < nowait_hold_until_ ? (nowait_hold_blocks_ + bpp - 1) / bpp : 0;
-  return std::max(config_.reserve_high, held);
 }
 
 void PagePool::set_state(int64_t page, PageState state) {
@@ -324,8 +311,9 @@ std::vector<int64_t> PagePool::take_blocks(int64_t n) {
   out.reserve(n);
   while (static_cast<int64_t>(out.size()) < n) {
     const int64_t page = with_free_.first();
-    // Note [Drain]: callers check n against usable_free_blocks(), and the lowest pages go first.
-    assert(page >= 0 && !(draining() && page >= drain_from_page_));
+    // Note [Limit policy]: callers check n against usable_free_blocks(), and the lowest pages
+    // go first, so none is draining.
+    assert(page >= 0 && !(draining() && page >= policy_.drain_from_page()));
     Page& p = pages_[page];
     if (p.used == 0) set_state(page, PageState::kInUse);
     while (!p.free_slots.empty() && static_cast<int64_t>(out.size()) < n) {
@@ -405,7 +393,7 @@ void PagePool::push_job(Job job) {
 // Planning (mutex_ held)
 
 void PagePool::serve_waiters() {
-  int64_t usable = usable_free_blocks();  // Note [Drain]: never from draining pages
+  int64_t usable = usable_free_blocks();  // Note [Limit policy]: never from draining pages
   while (!waiters_.empty() && waiters_.front().n <= usable) {
     const Waiter waiter = waiters_.front();
     waiters_.pop_front();
@@ -454,10 +442,9 @@ void PagePool::plan_maps() {
 }
 
 void PagePool::plan_refill() {
-  if (closed_ || refill_paused_ || config_.reserve_high == 0) return;
+  if (closed_) return;
   const int64_t have = count_[(int)PageState::kFree] + refill_pages_;
-  if (have >= config_.reserve_low) return;
-  const int64_t want = std::min(config_.reserve_high - have, headroom_pages());
+  const int64_t want = policy_.refill_wanted(have, headroom_pages());  // Note [Limit policy]
   if (want <= 0) return;
   std::vector<int64_t> pages = claim_unmapped(INT64_MAX, want);
   if (!try_charge_share(pages, true)) {
@@ -475,7 +462,7 @@ void PagePool::plan_unmaps() {
   // Pages mapped beyond a lowered limit, less those already on their way out.
   const int64_t over_limit = -headroom_pages() - count_[(int)PageState::kUnmapping];
   if (!waiters_.empty()) {
-    // Free blocks go to waiters first, except those of draining pages (Note [Drain]).
+    // Free blocks go to waiters first, except those of draining pages (Note [Limit policy]).
     std::vector<int64_t> pages = free_draining_pages(over_limit);
     if (!pages.empty()) {
       push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
@@ -484,13 +471,13 @@ void PagePool::plan_unmaps() {
     return;
   }
   const int64_t reserve = count_[(int)PageState::kFree];
-  // Another allocator of the share short of budget: the whole reserve goes back to it.
-  const int64_t keep = share_ && share_->pressure() ? 0 : reserve_kept_pages(Clock::now());
+  // Note [Limit policy]: what of the reserve stays (none under the share's pressure).
+  const int64_t keep = policy_.reserve_to_keep(Clock::now(), min_page_blocks_);
   const int64_t excess = std::min(reserve, std::max(reserve - keep, over_limit));
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
   push_job(make_unmap_job(std::move(pages), 0, deadline_after(config_.default_timeout_s)));
-  if (drain_from_page_ != INT64_MAX) plan_drain();  // fewer pages over the limit now
+  if (policy_.drain_planned()) plan_drain();  // fewer pages over the limit now
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -500,9 +487,10 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  refill_paused_ = false;  // demand again (Note [Trim])
-  // Not config_.limit_pages: a fair-share limit is temporary, a request above it can still fit.
-  const int64_t limit = limit_blocks(own_limit_pages());
+  policy_.demanded();  // refills resume after a trim (Note [Limit policy])
+  // The own limit, not the effective one: a fair-share limit is temporary, a request above it
+  // can still fit (Note [Limit policy]).
+  const int64_t limit = limit_blocks(policy_.own_limit());
   if (share_ && n <= usable_blocks_ && n <= limit) {
     // Nor can a request above the whole budget of its share: it would wait out its deadline.
     const int64_t budget_blocks = limit_blocks(share_->budget_pages());
@@ -544,17 +532,17 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
   if (n <= 0) throw std::invalid_argument("n must be positive, got " + std::to_string(n));
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  refill_paused_ = false;  // demand again (Note [Trim])
+  policy_.demanded();  // refills resume after a trim (Note [Limit policy])
   const int64_t available = available_to_newcomer();
   if (n > available && !map_on_miss) return std::nullopt;
   if (n > available) {
-    // Note [Nowait maps]: map what the request lacks, less what refills already bring.
+    // Map what the request lacks, less what refills already bring; the reserve holds it for a
+    // while (Note [Limit policy]: the nowait hold).
     const int64_t bpp = min_page_blocks_;  // Note [Blocks and pages]: the fewest a page holds
     const int64_t lacking = n - std::max<int64_t>(0, available) - refill_pages_ * bpp;
-    const bool can_fit = n <= std::min(limit_blocks(config_.limit_pages), usable_blocks_);
+    const bool can_fit = n <= std::min(limit_blocks(policy_.limit()), usable_blocks_);
     if (can_fit) {  // a request that can never fit (OutOfBlocks) keeps nothing
-      nowait_hold_blocks_ = n;
-      nowait_hold_until_ = Clock::now() + kNowaitHold;
+      policy_.nowait_missed(n, Clock::now());
     }
     if (lacking > 0 && can_fit) {
       std::vector<int64_t> pages = claim_unmapped(lacking, headroom_pages());
@@ -572,7 +560,7 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
     return std::nullopt;
   }
   std::vector<int64_t> blocks = take_blocks(n);
-  nowait_hold_blocks_ = std::max<int64_t>(0, nowait_hold_blocks_ - n);  // claimed
+  policy_.nowait_served(n);
   plan_refill();
   return blocks;
 }
@@ -596,7 +584,8 @@ int64_t PagePool::available_blocks() const {
   // In a share, only what its budget leaves this pool, counting on its fair share (the others
   // are held to theirs while it waits: Note [Fair share under pressure]).
   if (share_) mappable = std::min(mappable, share_->room_pages());
-  // Over the limit, pages still mapping drain when they land (Note [Drain]): none is coming.
+  // Over the limit, pages still mapping drain when they land (Note [Limit policy]): none is
+  // coming.
   const int64_t incoming =
       headroom_pages() < 0 ? 0 : incoming_for_waiters_ + refill_pages_ * bpp;
   int64_t blocks = usable_free_blocks() + incoming + mappable * bpp;
@@ -610,7 +599,7 @@ int64_t PagePool::available_blocks() const {
 int64_t PagePool::drain_from_block() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_ || !draining()) return -1;
-  return pages_[drain_from_page_].first_block;
+  return pages_[policy_.drain_from_page()].first_block;
 }
 
 void PagePool::free(const std::vector<int64_t>& blocks, uintptr_t fence) {
@@ -678,7 +667,7 @@ std::string PagePool::describe_wait(const Waiter& waiter) const {
         << " s)";
   }
   if (headroom_pages() <= 0 && mapping == 0) {
-    out << ", at the memory limit of " << config_.limit_pages << " page(s) with " << free_blocks_
+    out << ", at the memory limit of " << policy_.limit() << " page(s) with " << free_blocks_
         << " free block(s): waiting for blocks to be freed";
   }
   if (share_ && share_->blocked()) out << ", " << share_->describe_budget();
@@ -724,8 +713,9 @@ void PagePool::fail_waiter(int64_t request_id, CompletionStatus status, const st
 int64_t PagePool::trim(double deadline_s, bool release_cached) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  // Note [Trim]: no refill until the next alloc, and a refill not started yet never starts.
-  refill_paused_ = true;
+  // Note [Limit policy]: no refill until the next alloc, and a refill not started yet never
+  // starts.
+  policy_.trimmed();
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     std::vector<Job>& queued = it->second;
     for (size_t k = 0; k < queued.size();) {
@@ -808,8 +798,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   if (limit_pages <= 0) throw std::invalid_argument("the memory limit must allow at least one page");
   std::lock_guard<std::mutex> lock(mutex_);
   check_open();
-  config_.limit_pages = limit_pages;
-  configured_limit_pages_ = limit_pages;
+  policy_.set_configured(limit_pages);
   const int64_t limit = limit_blocks(limit_pages);
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
@@ -824,7 +813,7 @@ int64_t PagePool::set_limit_pages(int64_t limit_pages, double deadline_s) {
   serve_waiters();
   plan_maps();
   const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
-  if (over > 0 && !waiters_.empty()) plan_unmaps();  // the free draining pages (Note [Drain])
+  if (over > 0 && !waiters_.empty()) plan_unmaps();  // free draining pages (Note [Limit policy])
   if (over <= 0 || !waiters_.empty() || reserve_.empty()) return 0;
   std::vector<int64_t> pages = highest_reserve(over);
   const int64_t id = next_request_id_++;
@@ -930,11 +919,8 @@ std::vector<Job> PagePool::next_batch() {
   std::lock_guard<std::mutex> lock(mutex_);
   current_job_.reset();
   const auto now = Clock::now();
-  if (nowait_hold_blocks_ > 0 && now >= nowait_hold_until_) {
-    // Note [Nowait maps]: the window has passed; what nobody claimed is trimmed as usual.
-    nowait_hold_blocks_ = 0;
-    plan_unmaps();
-  }
+  // Note [Limit policy]: once the nowait hold lapses, what nobody claimed is trimmed as usual.
+  if (policy_.hold_lapsed(now)) plan_unmaps();
   // Note [Mapper deadlines]: jobs already too late to help anyone never reach the backend.
   // Deadline order puts them all at the front.
   std::vector<Job> expired;
@@ -1067,7 +1053,7 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   }
   if (closed_) return;
   // Pages landed or left while over the limit: the drain covers what is over now.
-  if (drain_from_page_ != INT64_MAX || headroom_pages() < 0) plan_drain();
+  if (policy_.drain_planned() || headroom_pages() < 0) plan_drain();
   serve_waiters();
   // After a failure too: each failed job fails the waiter it was for, so a driver that keeps
   // failing ends every waiter's wait instead of looping.
@@ -1135,8 +1121,8 @@ PoolStats PagePool::stats() const {
   s.map_errors = map_errors_;
   s.dropped_jobs = dropped_jobs_;
   s.timeouts = timeouts_;
-  s.limit_pages = config_.limit_pages;
-  s.limit_blocks = limit_blocks(config_.limit_pages);
+  s.limit_pages = policy_.limit();
+  s.limit_blocks = limit_blocks(policy_.limit());
   s.unusable_blocks = config_.num_blocks - usable_blocks_;
   s.mapper_op_age_s = 0.0;
   if (current_job_) {
@@ -1256,20 +1242,15 @@ void PagePool::release_share(int64_t pages) {
   share_->notify();  // a waiter of another process may fit now
 }
 
-int64_t PagePool::own_limit_pages() const {
-  // The limit this allocator promises: configured (or resized), or set with `kvasync limit`;
-  // never a fair-share limit (Note [Fair share under pressure]), which lasts while others wait.
-  return operator_limit_pages_ < 0 ? configured_limit_pages_ : operator_limit_pages_;
-}
-
-void PagePool::apply_share_limit(int64_t limit_pages, bool fail_too_big) {
+void PagePool::limit_changed(bool fail_above_own) {
   // As set_limit_pages, without a barrier: nobody awaits a limit set from outside.
-  config_.limit_pages = limit_pages;
   plan_drain();
-  const int64_t limit = limit_blocks(limit_pages);
+  if (!fail_above_own) return;
+  // Only the own limit is a promise (Note [Limit policy]): a waiter above the fair share waits.
+  const int64_t limit = limit_blocks(policy_.own_limit());
   std::vector<int64_t> too_big;
   for (const Waiter& w : waiters_) {
-    if (fail_too_big && w.n > limit) too_big.push_back(w.id);
+    if (w.n > limit) too_big.push_back(w.id);
   }
   for (int64_t id : too_big) {
     fail_waiter(id, CompletionStatus::kOutOfBlocks,
@@ -1284,24 +1265,13 @@ void PagePool::on_share_tick(ShareMember& member) {
   const int64_t requested = member.take_requested_limit();
   const int64_t pages = static_cast<int64_t>(pages_.size());
   if (requested >= 0) {
-    operator_limit_pages_ =
-        requested == 0 ? -1 : std::clamp<int64_t>(requested / member.page_bytes(), 1, pages);
-    apply_share_limit(operator_limit_pages_ < 0 ? configured_limit_pages_ : operator_limit_pages_);
+    policy_.set_operator(
+        requested == 0 ? -1 : std::clamp<int64_t>(requested / member.page_bytes(), 1, pages));
   }
-  // Note [Fair share under pressure] (ledger.h): while another allocator of the share waits for
-  // budget, this one is held to its fair share, so memory it frees goes back to the share instead
-  // of to its own next request; without it, one busy engine recycles its pages forever and the
-  // other starves. Its waiters are not failed (they wait, bounded by their deadlines), and the
-  // limit comes back as soon as nobody else waits.
-  const int64_t own_limit = own_limit_pages();
-  int64_t target = own_limit;
-  if (member.pressure()) {
-    const int64_t fair = member.fair_share_pages();
-    if (fair > 0) target = std::min(own_limit, fair);
-  }
-  if (target != config_.limit_pages && (requested < 0 || target != own_limit)) {
-    apply_share_limit(target, /*fail_too_big=*/false);
-  }
+  // Note [Limit policy]: while another allocator of the share waits for budget, this one is held
+  // to its fair share (Note [Fair share under pressure] in ledger.h), until nobody else waits.
+  const bool changed = policy_.set_share(member.pressure(), member.fair_share_pages());
+  if (changed || requested >= 0) limit_changed(/*fail_above_own=*/requested >= 0);
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();
   plan_maps();
@@ -1321,7 +1291,7 @@ void PagePool::on_share_tick(ShareMember& member) {
   member.publish(
       (count_[(int)PageState::kFree] + count_[(int)PageState::kInUse]) * page_bytes,
       count_[(int)PageState::kFree] * page_bytes, used_blocks_ * page_bytes / bpp,
-      std::min<int64_t>(config_.limit_pages, static_cast<int64_t>(pages_.size())) * page_bytes,
+      std::min<int64_t>(policy_.limit(), static_cast<int64_t>(pages_.size())) * page_bytes,
       static_cast<int64_t>(waiters_.size()), op, age);
 }
 

@@ -34,15 +34,8 @@
 // Fences are reference-counted by the pages that hold them and released once, when the last of
 // those pages is unmapped (or at close).
 //
-// Note [Nowait maps]
-// ~~~~~~~~~~~~~~~~~~
-// A synchronous scheduler cannot await: it retries alloc_nowait. So a miss queues a refill job
-// (not tied to any waiter) for the pages the request lacks, within the memory limit, less what
-// refills already bring; the same call retried succeeds once they are mapped. Nothing is held
-// for the caller: the pages land in the reserve, any alloc may take them, and the reserve keeps
-// them from trimming only for a short window (kNowaitHold) after the last miss. Past it they are
-// trimmed as usual (the idle mapper re-checks every poll), so a caller that never comes back
-// costs nothing for long.
+// What the pool may hold, what of its reserve it keeps, the drain of pages over a lowered limit
+// and trim(): Note [Limit policy] in limit_policy.h.
 //
 // Note [Mapper deadlines]
 // ~~~~~~~~~~~~~~~~~~~~~~~
@@ -50,17 +43,6 @@
 // earliest first. A job whose deadline has passed is dropped before it reaches the backend and its
 // pages go back to their previous state. Nothing here waits: the pool's mutex is held for
 // bookkeeping only, never across a backend call, and there is no condition variable.
-//
-// Note [Trim]
-// ~~~~~~~~~~~
-// trim() promises: once its barrier completes, no page is mapped-free unless a request mapped it
-// since (or a waiter counts on it). So it cannot look at the reserve alone: a map already queued
-// or running when trim() is called (the refill started at open, a map for a waiter that a free
-// served first) lands in the reserve afterwards. Every job gets a sequence number when queued; a
-// trim records the next one and unmaps the reserve at once and again each time a map queued
-// before it lands; it completes when none is left in flight and the unmaps queued up to its last
-// sweep are done: the memory is given back (a bounded number of sweeps, even while frees go on). A refill not yet started is dropped at
-// once, and the reserve stays empty (no refill is planned) until the next alloc: demand again.
 //
 // Note [Fences outside the lock]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -79,19 +61,6 @@
 // blocks (the fewest any full page holds): requests above that are refused at once, so no waiter
 // ever depends on which pages happen to be mapped. kvasync's layout picks page sizes that lose
 // at most 1/32 of the memory this way (KVLayout.page_unit).
-//
-// Note [Drain]
-// ~~~~~~~~~~~~
-// A limit lowered below what is mapped (set_limit, `kvasync limit`, or a share's fair-share
-// limit) can unmap at once only pages that are wholly free. Blocks of a busy engine are spread
-// over many pages, so a page rarely empties by itself while free slots in it keep being handed
-// out again: the pool would never come down. So the highest pages over the limit *drain*: no
-// block is handed out from them any more (allocation takes the lowest pages first, and the free
-// slots of draining pages do not count as free, for the fast path, for waiters, nor for
-// available_blocks), a draining page that empties is unmapped at once (even while requests wait:
-// its blocks could not go to them), and drain_from_block() tells a scheduler which blocks to
-// give back (vacate the requests holding them) to get the memory back promptly. The drain ends
-// when the pool is within its limit again, or when the limit is raised.
 //
 // Note [Budget off the caller's thread]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -125,6 +94,7 @@
 
 #include "backends/backend.h"
 #include "pool/completion_queue.h"
+#include "pool/limit_policy.h"
 #include "ledger/ledger.h"
 #include "pool/mapper.h"
 #include "pool/page_set.h"
@@ -155,7 +125,7 @@ struct Job {
   std::vector<int64_t> pages;  // ascending
   Clock::time_point deadline;
   std::vector<uintptr_t> fences;  // unmap jobs: device work to wait for first
-  int64_t seq = 0;                // queue order (Note [Trim]); set by push_job
+  int64_t seq = 0;                // queue order (Note [Limit policy]: trim); set by push_job
   bool keep_cached = false;       // a trim that keeps the backend's pooled handles
   // A map queued while the share's ledger lock was busy: the mapper charges it before it runs
   // (Note [Budget off the caller's thread]).
@@ -189,13 +159,13 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Hot path and waits. An alloc returns its blocks, or the id of the waiter it became.
   // `deadline_s` is a CLOCK_MONOTONIC time in seconds, or negative for now + default_timeout.
   std::variant<std::vector<int64_t>, int64_t> alloc(int64_t n, double deadline_s);
-  // Note [Nowait maps]: on a miss, starts mapping what the request lacks into the reserve.
+  // On a miss, starts mapping what the request lacks into the reserve (Note [Limit policy]).
   // `map_on_miss` false: a pure try (the async alloc's hot path), which changes nothing on a miss.
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n, bool map_on_miss = true);
   // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
   int64_t available_blocks() const;
-  // Note [Drain]: the first block id of the pages this pool wants back (a limit in force below
-  // what is mapped), from which no block is handed out any more; -1 when nothing drains.
+  // Note [Limit policy]: the first block id of the draining pages, those this pool wants back
+  // (a limit in force below what is mapped) and hands no block out from; -1 when none drains.
   int64_t drain_from_block() const;
   // Seconds each successful map job took since the last call (at most kMaxMapSamples kept),
   // for a metrics exporter's histogram.
@@ -267,7 +237,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
     Clock::time_point deadline;
   };
 
-  struct PendingTrim {  // Note [Trim]
+  struct PendingTrim {  // Note [Limit policy]: trim
     int64_t id;
     int64_t before_seq;  // waits for the maps queued before this
     Clock::time_point deadline;
@@ -290,10 +260,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t limit_blocks(int64_t limit_pages) const;
   int64_t available_to_newcomer() const;
   bool draining() const;
-  int64_t usable_free_blocks() const;  // free blocks outside draining pages (Note [Drain])
+  int64_t usable_free_blocks() const;  // free blocks outside draining pages (Note [Limit policy])
   void plan_drain();
   std::vector<int64_t> free_draining_pages(int64_t max_pages) const;
-  int64_t reserve_kept_pages(Clock::time_point now) const;
   std::vector<int64_t> take_blocks(int64_t n);
   void serve_waiters();
   void plan_maps();
@@ -315,8 +284,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   bool ledger_lock_free(Clock::time_point deadline) const;
   int32_t ledger_lock_holder() const;
   void release_share(int64_t pages);
-  void apply_share_limit(int64_t limit_pages, bool fail_too_big = true);
-  int64_t own_limit_pages() const;
+  void limit_changed(bool fail_above_own);
 
   std::shared_ptr<Backend> backend_;
   PoolConfig config_;
@@ -342,10 +310,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t waiting_blocks_ = 0;        // sum of waiters' n
   int64_t incoming_for_waiters_ = 0;  // blocks of kMapping pages of kMapForRequest jobs
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
-  int64_t drain_from_page_ = INT64_MAX;  // Note [Drain]: lowest draining page; INT64_MAX = none
-  // Note [Nowait maps]: blocks the reserve keeps for missed alloc_nowait calls, until then.
-  int64_t nowait_hold_blocks_ = 0;
-  Clock::time_point nowait_hold_until_{};
+  LimitPolicy policy_;  // Note [Limit policy]
   int64_t maps_done_ = 0, unmaps_done_ = 0, map_errors_ = 0, dropped_jobs_ = 0, timeouts_ = 0;
   int64_t batches_ = 0;  // backend batches the mapper ran
   std::string last_error_;
@@ -354,17 +319,14 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Note [Budget off the caller's thread]: the pid holding the ledger's lock when a charge last
   // found it busy (-1: unknown holder), 0 once a charge got the lock.
   int32_t ledger_busy_pid_ = 0;
-  int64_t configured_limit_pages_ = 0;   // the limit a share's "back to configured" restores
-  int64_t operator_limit_pages_ = -1;    // set with kvasync limit; -1 = none (configured)
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;
   std::vector<uintptr_t> unused_fences_;  // Note [Fences outside the lock]
-  std::vector<PendingTrim> trims_;        // Note [Trim]
+  std::vector<PendingTrim> trims_;        // Note [Limit policy]: trim
   std::multiset<int64_t> maps_in_flight_;    // seq of every queued or running map job
   std::multiset<int64_t> unmaps_in_flight_;  // and unmap job
   int64_t next_job_seq_ = 1;
-  bool refill_paused_ = false;  // by a trim, until the next alloc
   double seconds_per_page_[2] = {0.0, 0.0};  // map (and refill), unmap: moving averages
 };
 

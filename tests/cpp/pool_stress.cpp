@@ -522,8 +522,8 @@ class Round {
           if (id != 0) cancel(id, false);
         } else {
           check_stats(timed("stats", [&] { return pool_->stats(); }));
-          // Note [Drain]: the scheduler's view; take_blocks asserts no block comes from a
-          // draining page (this harness builds with assertions on).
+          // Note [Limit policy] (the drain): the scheduler's view; take_blocks asserts no block
+          // comes from a draining page (this harness builds with assertions on).
           const int64_t available = timed("available_blocks", [&] { return pool_->available_blocks(); });
           const int64_t drain = timed("drain_from_block", [&] { return pool_->drain_from_block(); });
           if (available < 0 || drain < -1 || drain >= g_.num_blocks) {

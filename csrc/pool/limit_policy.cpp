@@ -1,0 +1,60 @@
+#include "pool/limit_policy.h"
+
+#include <algorithm>
+
+namespace kvasync {
+
+// Note [Limit policy]: the effective limit is the own limit, held to the fair share while the
+// share is under pressure.
+bool LimitPolicy::update() {
+  int64_t limit = own_limit();
+  if (pressure_ && fair_ > 0) limit = std::min(limit, fair_);
+  const bool changed = limit != limit_;
+  limit_ = limit;
+  return changed;
+}
+
+bool LimitPolicy::set_configured(int64_t pages) {
+  configured_ = pages;
+  return update();
+}
+
+bool LimitPolicy::set_operator(int64_t pages) {
+  operator_ = pages;
+  return update();
+}
+
+bool LimitPolicy::set_share(bool pressure, int64_t fair_pages) {
+  pressure_ = pressure;
+  fair_ = fair_pages;
+  return update();
+}
+
+void LimitPolicy::nowait_missed(int64_t blocks, Clock::time_point now) {
+  hold_blocks_ = blocks;
+  hold_until_ = now + kNowaitHold;
+}
+
+void LimitPolicy::nowait_served(int64_t blocks) {
+  hold_blocks_ = std::max<int64_t>(0, hold_blocks_ - blocks);  // claimed
+}
+
+bool LimitPolicy::hold_lapsed(Clock::time_point now) {
+  if (hold_blocks_ == 0 || now < hold_until_) return false;
+  hold_blocks_ = 0;  // what nobody claimed is trimmed as usual
+  return true;
+}
+
+int64_t LimitPolicy::reserve_to_keep(Clock::time_point now, int64_t min_page_blocks) const {
+  if (pressure_) return 0;  // the reserve goes back to the member short of budget
+  const int64_t held =
+      now < hold_until_ ? (hold_blocks_ + min_page_blocks - 1) / min_page_blocks : 0;
+  return std::max(reserve_high_, held);
+}
+
+int64_t LimitPolicy::refill_wanted(int64_t have, int64_t headroom) const {
+  if (refill_paused_ || reserve_high_ == 0 || have >= reserve_low_) return 0;
+  return std::min(reserve_high_ - have, headroom);
+}
+
+}  // namespace kvasync

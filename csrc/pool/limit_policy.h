@@ -1,0 +1,125 @@
+// LimitPolicy: what the page pool may hold now, and what of it is kept.
+//
+// Note [Limit policy]
+// ~~~~~~~~~~~~~~~~~~~
+// Several things change what a pool may hold: the user's limit (set_limit), the operator's
+// (`kvasync limit`), a share under pressure (another member short of budget), the reserve's
+// watermarks, a sync scheduler retrying alloc_nowait, and trim(). One object, LimitPolicy, takes
+// all of them as inputs and makes the two decisions the pool acts on:
+//
+// 1. The effective limit (limit()): the pages the pool may hold now (mapping, mapped or
+//    unmapping). It is the own limit (own_limit(): the operator's when set, else the user's)
+//    and, while another member of the share is short of budget, at most the fair share (the
+//    share's budget over its live members; Note [Fair share under pressure] in ledger.h). The
+//    own limit is a promise: an alloc above it is refused at once (OutOfBlocks); the fair share
+//    is temporary, so a request above it waits instead (with its deadline).
+//
+// 2. What is kept:
+//    - The reserve (mapped pages with every block free): reserve_to_keep() pages stay, the
+//      highest others are unmapped. It keeps reserve_high pages, or the pages a missed
+//      alloc_nowait asked for, whichever is more; nothing while the share is under pressure (it
+//      goes back to the member short of budget). The reserve refills between reserve_low and
+//      reserve_high, except after trim() until the next alloc (refill_wanted()): demand again.
+//    - The nowait hold (was Note [Nowait maps]): a synchronous scheduler cannot await, it
+//      retries alloc_nowait. So a miss maps what the request lacks (within the limit, less what
+//      refills already bring; charged like any map in a share) into the reserve, held for
+//      nobody: any alloc may take those pages. The reserve keeps them only for kNowaitHold after
+//      the last miss, so that the retry finds them, and a caller that never comes back costs
+//      nothing for long (the idle mapper re-checks, and unmaps them once the hold lapses).
+//    - The drain (was Note [Drain]): a limit lowered below what is mapped can unmap at once only
+//      pages that are wholly free, and blocks of a busy engine are spread over many pages that
+//      rarely empty by themselves. So the highest mapped pages over the limit drain
+//      (plan_drain(), drain_from_page()): no block is handed out from them (allocation takes the
+//      lowest pages first, and their free slots do not count as free: not for the fast path,
+//      for waiters, nor for available_blocks), one that empties is unmapped at once (even while
+//      requests wait: its blocks could not go to them), and drain_from_block() tells a
+//      scheduler which blocks to give back. Pages still mapping are not counted: over the limit
+//      they drain when they land. The drain is re-planned as pages land or leave, and ends when
+//      the pool is within its limit again or the limit is raised.
+//    - trim() (was Note [Trim]) keeps nothing of the reserve, and its barrier promises: once it
+//      completes, no page is mapped-free unless a request mapped it since (or a waiter counts
+//      on it). So it cannot look at the reserve alone: a map queued or running when trim() is
+//      called lands in the reserve afterwards. Every job gets a sequence number when queued; a
+//      trim records the next one, unmaps the reserve at once and again each time a map queued
+//      before it lands, and completes when none is left in flight and the unmaps queued up to
+//      its last sweep are done (a bounded number of sweeps, even while frees go on). A refill
+//      not yet started is dropped at once, and none is planned until the next alloc.
+//
+// Invariants:
+//   - 1 <= limit() <= own_limit(); limit() changes only through the inputs above.
+//   - Pages held (mapping + mapped + unmapping) exceed limit() only after the limit was lowered,
+//     and then only pages that are in use or on their way out: no map is planned beyond it, a
+//     free page over it is unmapped, and the drain covers the rest.
+//   - No block is handed out from a draining page; draining() implies the pool is over limit().
+//   - The reserve kept is never a dependency: no waiter counts on a refill or on a hold.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+namespace kvasync {
+
+class LimitPolicy {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr int64_t kNoDrain = INT64_MAX;
+  // How long the reserve keeps a missed alloc_nowait's pages.
+  static constexpr auto kNowaitHold = std::chrono::seconds(1);
+
+  LimitPolicy(int64_t limit_pages, int64_t reserve_low, int64_t reserve_high)
+      : configured_(limit_pages), reserve_low_(reserve_low), reserve_high_(reserve_high) {
+    update();
+  }
+
+  // Inputs. Each returns whether the effective limit changed.
+  bool set_configured(int64_t pages);      // the user's limit (set_limit, resize)
+  bool set_operator(int64_t pages);        // `kvasync limit`; -1: none (back to configured)
+  bool set_share(bool pressure, int64_t fair_pages);  // each share tick; fair -1: no budget
+  void nowait_missed(int64_t blocks, Clock::time_point now);
+  void nowait_served(int64_t blocks);
+  bool hold_lapsed(Clock::time_point now);  // true once, when a hold has just lapsed
+  void trimmed() { refill_paused_ = true; }
+  void demanded() { refill_paused_ = false; }
+
+  // Decisions.
+  int64_t limit() const { return limit_; }
+  int64_t own_limit() const { return operator_ < 0 ? configured_ : operator_; }
+  bool pressure() const { return pressure_; }
+  // `committed`: pages mapping, mapped or unmapping. Negative when over the limit.
+  int64_t headroom(int64_t committed) const { return limit_ - committed; }
+  // Pages of the reserve that stay; `min_page_blocks` converts the hold's blocks to pages.
+  int64_t reserve_to_keep(Clock::time_point now, int64_t min_page_blocks) const;
+  // Pages a refill should map now, given the reserve (`have`: free pages and refills in flight).
+  int64_t refill_wanted(int64_t have, int64_t headroom) const;
+
+  // The drain: the lowest draining page, or kNoDrain. `mapped(page)` says whether a page is
+  // mapped (free or in use); pages are scanned from `num_pages - 1` down.
+  template <class Mapped>
+  void plan_drain(int64_t over, int64_t num_pages, Mapped&& mapped) {
+    drain_from_ = kNoDrain;
+    for (int64_t page = num_pages - 1; page >= 0 && over > 0; --page) {
+      if (!mapped(page)) continue;
+      drain_from_ = page;
+      --over;
+    }
+  }
+  bool draining(int64_t headroom) const { return drain_from_ != kNoDrain && headroom < 0; }
+  bool drain_planned() const { return drain_from_ != kNoDrain; }
+  int64_t drain_from_page() const { return drain_from_; }
+
+ private:
+  bool update();
+
+  int64_t configured_;
+  int64_t operator_ = -1;
+  bool pressure_ = false;
+  int64_t fair_ = -1;
+  int64_t limit_ = 0;
+  int64_t reserve_low_, reserve_high_;
+  int64_t hold_blocks_ = 0;
+  Clock::time_point hold_until_{};
+  bool refill_paused_ = false;
+  int64_t drain_from_ = kNoDrain;
+};
+
+}  // namespace kvasync
