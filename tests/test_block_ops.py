@@ -290,7 +290,7 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a kernel was launched")
 
     for name in ("gather_blocks", "scatter_blocks", "zero_blocks", "copy_blocks"):
-        monkeypatch.setattr(_block_ops.kernels, name, launched)
+        monkeypatch.setattr(_block_ops._kernels(), name, launched)
 
 
 @pytest.mark.usefixtures("no_launch")

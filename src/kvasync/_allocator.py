@@ -123,7 +123,7 @@ class Allocator:
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}
-        self._kernel_table: Any = None  # kernels.BlockTable, built on first use
+        self._kernel_table: Any = None  # kernels.BlockTable, built on first use (_block_ops)
         self._closing: asyncio.Future[None] | None = None
         self._fd = self._pool.completion_fd
         # Trio tasks and threads wait on slots (Note [Slots] in _loops); `loop` is None on trio.
@@ -745,10 +745,11 @@ class Allocator:
     def _block_table(self) -> Any:
         # The buffers never move (a fixed virtual range), so their pointer table is built once:
         # building it copies it to the device, a host synchronization per call otherwise.
+        # None where the kernels do not run (CPU without Triton's interpreter): torch does it.
         if self._kernel_table is None:
-            from . import kernels  # type: ignore[attr-defined]
+            from . import _block_ops
 
-            self._kernel_table = kernels.block_table(self._buffers)
+            self._kernel_table = _block_ops.block_table(self._buffers)
         return self._kernel_table
 
 

@@ -15,20 +15,26 @@ interleaved layout puts all layers' blocks of one block id next to each other)::
     gathered: [len(ids), num_layers, kv_buffers, block_size, num_kv_heads, head_dim], contiguous
 
 NOTE: on CPU buffers, Triton's kernels run only under its interpreter (TRITON_INTERPRET=1, as in
-the tests); otherwise the same operations run as torch indexing, one call per buffer.
+the tests); otherwise the same operations run as torch indexing, one call per buffer. Triton is
+the ``kvasync[gpu]`` extra (torch's CUDA build brings it on Linux), so the kernels are imported
+only when they are about to run: a CPU install without Triton uses torch alone, and a CUDA device
+without it gets an error that names the extra.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 
-from . import kernels  # type: ignore[attr-defined]
+from ._errors import KVAsyncError
 
 Ids = Sequence[int] | torch.Tensor
 """Block ids: a sequence of ints or a 1-D integer tensor (on CPU or the buffers' device)."""
@@ -184,9 +190,52 @@ def _ids_tensor(ids: Ids, values: list[int], device: torch.device) -> torch.Tens
     return torch.tensor(values, dtype=torch.int64).to(device)
 
 
+@functools.cache
+def _installed_kernels() -> ModuleType | None:
+    """``kvasync.kernels``, or None when Triton is not installed."""
+    try:
+        from . import kernels  # type: ignore[attr-defined]
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "triton":
+            raise  # a broken install of kvasync itself: not ours to hide
+        return None
+    return kernels  # type: ignore[no-any-return]
+
+
+def _kernels() -> Any:
+    """``kvasync.kernels``, for a launch.
+
+    Raises:
+        KVAsyncError: Triton is not installed (the ``kvasync[gpu]`` extra).
+    """
+    kernels = _installed_kernels()
+    if kernels is None:
+        raise KVAsyncError(
+            "the block ops (gather, scatter, zero, copy) on a CUDA device run Triton kernels, "
+            'and Triton is not installed: pip install "kvasync[gpu]"'
+        )
+    return kernels
+
+
 def _use_kernels(device: torch.device) -> bool:
     """Triton runs on CUDA compiled, and on CPU tensors only under its interpreter."""
-    return (device.type == "cuda") != bool(kernels.INTERPRETED)
+    kernels = _installed_kernels()
+    interpreted = kernels is not None and bool(kernels.INTERPRETED)
+    return (device.type == "cuda") != interpreted
+
+
+def block_table(buffers: Sequence[torch.Tensor]) -> object | None:
+    """The buffers' pointer table for the kernels, or None where the kernels do not run.
+
+    Building it copies it to the device (a host synchronization), so callers build it once and
+    pass it to every op as ``table=``.
+
+    Raises:
+        KVAsyncError: the buffers are on a CUDA device and Triton is not installed.
+    """
+    if not buffers or not _use_kernels(buffers[0].device):
+        return None
+    return _kernels().block_table(buffers)  # type: ignore[no-any-return]
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -212,7 +261,7 @@ def gather(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
-    table: kernels.BlockTable | None = None,
+    table: object | None = None,
 ) -> torch.Tensor:
     """Copy blocks `ids` of every layer and buffer into one contiguous tensor.
 
@@ -225,7 +274,7 @@ def gather(
             when None.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
-        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+        table: the buffers' pointer table (``block_table(buffers)``), cached by the
             caller: building it copies it to the device, which synchronizes with the host.
 
     Returns:
@@ -249,6 +298,7 @@ def gather(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
+            kernels = _kernels()
             kernels.gather_blocks(table or kernels.block_table(buffers), index, out)
     else:
         flat = _raw(out).view(len(values), len(buffers), *layout.block_shape)
@@ -264,7 +314,7 @@ def scatter(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
-    table: kernels.BlockTable | None = None,
+    table: object | None = None,
 ) -> None:
     """Write `src` into blocks `ids` of every layer and buffer: the reverse of `gather`.
 
@@ -275,7 +325,7 @@ def scatter(
             [len(ids), num_layers, kv_buffers, block_size, num_kv_heads, head_dim].
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
-        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+        table: the buffers' pointer table (``block_table(buffers)``), cached by the
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
@@ -293,6 +343,7 @@ def scatter(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
+            kernels = _kernels()
             kernels.scatter_blocks(table or kernels.block_table(buffers), index, src)
     else:
         flat = _raw(src).view(len(values), len(buffers), *layout.block_shape)
@@ -306,7 +357,7 @@ def zero(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
-    table: kernels.BlockTable | None = None,
+    table: object | None = None,
 ) -> None:
     """Zero blocks `ids` in every layer and buffer.
 
@@ -315,7 +366,7 @@ def zero(
         ids: block ids to zero (repeats allowed), a sequence of ints or a 1-D integer tensor.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
-        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+        table: the buffers' pointer table (``block_table(buffers)``), cached by the
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
@@ -330,6 +381,7 @@ def zero(
     index = _ids_tensor(ids, values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
+            kernels = _kernels()
             kernels.zero_blocks(table or kernels.block_table(buffers), index)
     else:
         for _, buf in _raw_buffers(buffers):
@@ -343,7 +395,7 @@ def copy(
     *,
     kv_buffers: int,
     is_allocated: IsAllocated,
-    table: kernels.BlockTable | None = None,
+    table: object | None = None,
 ) -> None:
     """Copy block src_ids[i] to block dst_ids[i] in every layer and buffer (copy-on-write).
 
@@ -353,7 +405,7 @@ def copy(
         dst_ids: block ids to write, as many as `src_ids`, distinct and none in `src_ids`.
         kv_buffers: buffers per layer: 2 (K and V) or 1.
         is_allocated: returns the ids among those given that are not allocated.
-        table: the buffers' pointer table (``kernels.block_table(buffers)``), cached by the
+        table: the buffers' pointer table (``block_table(buffers)``), cached by the
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
@@ -380,6 +432,7 @@ def copy(
     dst_index = _ids_tensor(dst_ids, dst_values, layout.device)
     if _use_kernels(layout.device):
         with _on(layout.device):
+            kernels = _kernels()
             kernels.copy_blocks(table or kernels.block_table(buffers), src_index, dst_index)
     else:
         for _, buf in _raw_buffers(buffers):
