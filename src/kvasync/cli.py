@@ -7,6 +7,7 @@ command's module when that command runs, so ``--help`` and ``--version`` load no
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import click
 
@@ -32,6 +33,24 @@ _SUMMARIES = {
     "limit": "Set the memory limit of a process's allocators.",
 }
 
+# command name -> (the extra it needs, the modules of that extra it imports). Checked before the
+# command's module is imported, so a missing extra is named at once rather than as an import
+# error after the work has started (the demo's plot comes after its whole burst).
+_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "serve": ("serve", ("fastapi", "uvicorn", "prometheus_client")),
+    "demo": ("serve", ("matplotlib",)),
+}
+
+
+def _check_extra(name: str) -> None:
+    extra, modules = _EXTRAS.get(name, ("", ()))
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if missing:
+        raise click.ClickException(
+            f"kvasync {name} needs the {extra} extra (missing: {', '.join(missing)}): "
+            f'pip install "kvasync[{extra}]"'
+        )
+
 
 class _LazyGroup(click.Group):
     """A group whose commands are imported on first use."""
@@ -42,6 +61,8 @@ class _LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in _COMMANDS:
             return None
+        if not ctx.resilient_parsing:  # shell completion lists commands: it runs none
+            _check_extra(cmd_name)
         module, attribute = _COMMANDS[cmd_name]
         command = getattr(importlib.import_module(module), attribute)
         assert isinstance(command, click.Command), f"bug: {module}.{attribute} is not a command"
