@@ -19,12 +19,15 @@ async def test_alloc_and_free(kv_allocator):
 
 {marker}
 async def test_overrides_and_faults(kv_allocator, kv_faults):
-    async with kv_allocator(max_blocks=64, reserve_pages=(0, 0)) as kv:
+    # The README's example: the hang is left on. The close must not wait for the hung map (it
+    # would for default_timeout, past the run's --timeout): the plugin releases it first.
+    async with kv_allocator(max_blocks=64, reserve_pages=(0, 0), default_timeout=60.0) as kv:
         assert kv.num_blocks == 64
         kv_faults.hang()
         with pytest.raises(kvasync.AllocTimeout):
             await kv.alloc(4, timeout=0.05)
-        kv_faults.release()
+        assert kv_faults.hung_maps == 1
+    assert kv_faults.hung_maps == 0
 
 @pytest.mark.kvasync_backend("cuda")
 {marker}
@@ -36,7 +39,40 @@ async def test_cuda_marker_selects_cuda(kv_allocator):
 
 def run(pytester: pytest.Pytester, marker: str, *args: str) -> pytest.RunResult:
     pytester.makepyfile(test_user=USER_TESTS.format(marker=marker))
-    return pytester.runpytest("-p", "no:cacheprovider", "-q", *args)
+    return pytester.runpytest("-p", "no:cacheprovider", "-q", "--timeout=20", *args)
+
+
+SYNC_USER_TESTS = """
+import pytest
+import kvasync
+
+def test_alloc_and_free(kv_allocator_sync):
+    with kv_allocator_sync() as kv:
+        assert isinstance(kv, kvasync.SyncAllocator)
+        blocks = kv.alloc(8, timeout=5.0)
+        assert kv.backend == "host" and kv.num_blocks == 2048
+        kv.free(blocks)
+
+def test_a_hang_left_on_is_released_before_the_close(kv_allocator_sync, kv_faults):
+    with kv_allocator_sync(max_blocks=64, reserve_pages=(0, 0), default_timeout=60.0) as kv:
+        kv_faults.hang()
+        with pytest.raises(kvasync.AllocTimeout):
+            kv.alloc(4, timeout=0.05)
+        assert kv_faults.hung_maps == 1
+    assert kv_faults.hung_maps == 0
+"""
+
+
+def test_the_sync_fixture_works_in_plain_pytest_without_an_async_plugin(pytester):
+    # Issue 18: the README's async example fails under plain pytest (no pytest-asyncio, no
+    # anyio): kv_allocator_sync serves a plain test.
+    pytester.makepyfile(test_user=SYNC_USER_TESTS)
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "-q", "--timeout=20", "-p", "no:asyncio", "-p", "no:anyio"
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 2, result.stdout.str()
+    assert "failed" not in outcomes and "errors" not in outcomes
 
 
 @pytest.mark.parametrize("mode", ["strict", "auto"])

@@ -9,6 +9,7 @@ torch nor the C++ extension, so ``kvasync --version`` and ``--help`` start at on
 
 # Private aliases: the module's namespace holds the public names alone (test_public_api).
 import importlib as _importlib
+import sys as _sys
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
@@ -46,19 +47,19 @@ __version__ = "0.1.0"
 
 # public name -> the private module that defines it
 _HOMES = {
-    "Allocator": "._allocator",
-    "open_allocator": "._allocator",
-    "Config": "._config",
-    "AllocatorClosed": "._errors",
-    "AllocTimeout": "._errors",
-    "KVAsyncError": "._errors",
-    "MapError": "._errors",
-    "OutOfBlocks": "._errors",
-    "WouldBlock": "._errors",
-    "KVLayout": "._layout",
-    "AllocatorStats": "._stats",
-    "SyncAllocator": "._sync",
-    "open_allocator_sync": "._sync",
+    "Allocator": "kvasync._allocator",
+    "open_allocator": "kvasync._allocator",
+    "Config": "kvasync._config",
+    "AllocatorClosed": "kvasync._errors",
+    "AllocTimeout": "kvasync._errors",
+    "KVAsyncError": "kvasync._errors",
+    "MapError": "kvasync._errors",
+    "OutOfBlocks": "kvasync._errors",
+    "WouldBlock": "kvasync._errors",
+    "KVLayout": "kvasync._layout",
+    "AllocatorStats": "kvasync._stats",
+    "SyncAllocator": "kvasync._sync",
+    "open_allocator_sync": "kvasync._sync",
 }
 
 
@@ -70,9 +71,11 @@ if not _typing.TYPE_CHECKING:
         home = _HOMES.get(name)
         if home is None:
             raise AttributeError(f"module 'kvasync' has no attribute {name!r}")
-        value = getattr(_importlib.import_module(home, __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
+        # NOTE: not cached in this module's namespace: the answer stays whatever module
+        # sys.modules holds now, also after a test harness (pytester) drops and re-imports
+        # kvasync's modules, where a cached class would no longer be the one kvasync checks.
+        module = _sys.modules.get(home) or _importlib.import_module(home)
+        return getattr(module, name)
 
     def __dir__() -> list[str]:
         return sorted({*globals(), *__all__})
