@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,5 +76,44 @@ def test_register_counts_the_blocking_facade_and_rejects_a_duplicate():
             metrics.register(kv, registry)  # same names, same labels
         with pytest.raises(ValueError, match="name"):
             metrics.register(kv, CollectorRegistry(), name="")
-        registry.unregister(collector)
+        collector.unregister()
         assert "kvasync_used_blocks" not in generate_latest(registry).decode()
+
+
+def test_two_allocators_in_one_registry_are_told_apart_by_the_allocator_label():
+    # Issue 18: the second registration raised DuplicateTimeseries (a ValueError).
+    config = kvasync.Config(backend="host", reserve_pages=(0, 0))
+    with (
+        kvasync.open_allocator_sync(LAYOUT, config) as first,
+        kvasync.open_allocator_sync(LAYOUT, config) as second,
+        kvasync.open_allocator_sync(LAYOUT, replace(config, name="coder")) as third,
+    ):
+        registry = CollectorRegistry()
+        registrations = [metrics.register(kv, registry) for kv in (first, second, third)]
+        assert [r.name for r in registrations] == ["kv", "kv-2", "coder"]  # Config.name first
+        held = [first.alloc(3, timeout=5.0), second.alloc(PER_PAGE + 1, timeout=5.0)]
+        samples = scrape(registry)
+        for registration, kv in zip(registrations, (first, second, third), strict=True):
+            label = (("allocator", registration.name),)
+            stats = kv.stats()
+            assert samples[("kvasync_used_blocks", label)] == stats.used_blocks
+            assert samples[("kvasync_mapped_pages", label)] == stats.mapped_pages
+            assert samples[("kvasync_maps_total", label)] == stats.maps_done
+            cold = (("allocator", registration.name), ("path", "cold"))
+            assert samples[("kvasync_alloc_latency_seconds_count", cold)] == (kv is not third)
+        mapped = {n: samples[("kvasync_mapped_pages", (("allocator", n),))] for n in ("kv", "kv-2")}
+        assert mapped == {"kv": 1, "kv-2": 2}
+        with pytest.raises(ValueError, match="registered in this registry already"):
+            metrics.register(second, registry, name="again")
+        # One goes; the others stay, and the names go with the last.
+        registrations[1].unregister()
+        left = {labels for name, labels in scrape(registry) if name == "kvasync_used_blocks"}
+        assert left == {(("allocator", "kv"),), (("allocator", "coder"),)}
+        with pytest.raises(ValueError, match="allocator='coder' is already registered"):
+            metrics.register(second, registry, name="coder")  # a name must tell them apart
+        registrations[0].unregister()
+        registrations[2].unregister()
+        assert "kvasync_" not in generate_latest(registry).decode()
+        metrics.register(third, registry).unregister()  # the names are free again
+        first.free(held[0])
+        second.free(held[1])

@@ -1,13 +1,20 @@
 """Prometheus metrics of an allocator (the ``kvasync[metrics]`` extra: prometheus-client).
 
-``register(kv)`` adds one collector to a registry. Gauges and counters are read from one
+``register(kv)`` exports an allocator to a registry. Gauges and counters are read from one
 ``kv.stats()`` snapshot per scrape, so they agree with ``stats()`` and with each other; the
 latency histograms are fed as allocs complete (hot: answered without waiting; cold: waited for a
 map or a free) and, for maps, from the durations the mapper records (drained at each scrape).
+
+A registry holds each metric name once, so every allocator registered in one registry (under one
+prefix) is a sample of the same metrics, told apart by the ``allocator`` label: one collector
+per registry and prefix (``_RegistryExport``) reads them all.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,13 +56,39 @@ _COUNTERS = (
 )
 
 
-class AllocatorCollector(Collector):
-    """The collector ``register`` adds; ``registry.unregister(collector)`` removes it."""
+class AllocatorCollector:
+    """One allocator's metrics in a registry, as ``register`` returns them.
 
-    def __init__(self, allocator: Allocator, name: str, prefix: str) -> None:
-        self._kv = allocator
-        self._labels = {"allocator": name}
-        self._prefix = prefix
+    ``unregister()`` removes them; the registry keeps the metric names while any other
+    allocator is registered there.
+    """
+
+    def __init__(self, export: _RegistryExport, allocator: Allocator, name: str) -> None:
+        self._export = export
+        self.allocator = allocator
+        self.name = name
+        """The ``allocator`` label of its samples."""
+        self._hot = export.alloc_latency.labels(name, "hot")
+        self._cold = export.alloc_latency.labels(name, "cold")
+        self.maps = export.map_latency.labels(name)
+
+    def observe_alloc(self, waited: bool, seconds: float) -> None:
+        (self._cold if waited else self._hot).observe(seconds)
+
+    def unregister(self) -> None:
+        """Removes this allocator's samples (and, with the last one, the metrics). Idempotent."""
+        self._export.remove(self)
+        if self.allocator._observe == self.observe_alloc:
+            self.allocator._observe = None
+
+
+class _RegistryExport(Collector):
+    """kvasync's metrics in one registry under one prefix: a sample per allocator registered."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.registry = registry
+        self.prefix = prefix
+        self.members: dict[str, AllocatorCollector] = {}  # by label; guarded by _LOCK
         self.alloc_latency = Histogram(
             f"{prefix}_alloc_latency_seconds",
             "Seconds from an alloc call to its blocks; path=hot answered at once, cold waited.",
@@ -70,70 +103,118 @@ class AllocatorCollector(Collector):
             registry=None,
             buckets=_MAP_BUCKETS,
         )
-        self._hot = self.alloc_latency.labels(name, "hot")
-        self._cold = self.alloc_latency.labels(name, "cold")
-        self._maps = self.map_latency.labels(name)
 
-    def observe_alloc(self, waited: bool, seconds: float) -> None:
-        (self._cold if waited else self._hot).observe(seconds)
+    def remove(self, member: AllocatorCollector) -> None:
+        with _LOCK:
+            if self.members.get(member.name) is not member:
+                return
+            del self.members[member.name]
+            self.alloc_latency.remove(member.name, "hot")
+            self.alloc_latency.remove(member.name, "cold")
+            self.map_latency.remove(member.name)
+            if not self.members:
+                self.registry.unregister(self)
+                del _EXPORTS[self.registry][self.prefix]
 
     def describe(self) -> Iterator[Metric]:
-        """The metric names, without reading the allocator (the registry's duplicate check)."""
-        names = list(self._labels)
+        """The metric names, without reading any allocator (the registry's duplicate check)."""
         for suffix, _, help_text in _GAUGES:
-            yield GaugeMetricFamily(f"{self._prefix}_{suffix}", help_text, labels=names)
+            yield GaugeMetricFamily(f"{self.prefix}_{suffix}", help_text, labels=["allocator"])
         for suffix, _, help_text in _COUNTERS:
-            yield CounterMetricFamily(f"{self._prefix}_{suffix}", help_text, labels=names)
+            yield CounterMetricFamily(f"{self.prefix}_{suffix}", help_text, labels=["allocator"])
         yield from self.alloc_latency.describe()
         yield from self.map_latency.describe()
 
     def collect(self) -> Iterator[Metric]:
-        for seconds in self._kv._pool.take_map_seconds():
-            self._maps.observe(seconds)
-        stats = self._kv.stats()
-        names, values = list(self._labels), list(self._labels.values())
-        for suffix, field, help_text in _GAUGES:
-            gauge = GaugeMetricFamily(f"{self._prefix}_{suffix}", help_text, labels=names)
-            gauge.add_metric(values, getattr(stats, field))
-            yield gauge
-        for suffix, field, help_text in _COUNTERS:
-            counter = CounterMetricFamily(f"{self._prefix}_{suffix}", help_text, labels=names)
-            counter.add_metric(values, getattr(stats, field))
-            yield counter
+        with _LOCK:
+            members = list(self.members.values())
+        gauges = [
+            GaugeMetricFamily(f"{self.prefix}_{suffix}", help_text, labels=["allocator"])
+            for suffix, _, help_text in _GAUGES
+        ]
+        counters = [
+            CounterMetricFamily(f"{self.prefix}_{suffix}", help_text, labels=["allocator"])
+            for suffix, _, help_text in _COUNTERS
+        ]
+        for member in members:
+            for seconds in member.allocator._pool.take_map_seconds():
+                member.maps.observe(seconds)
+            stats = member.allocator.stats()
+            for gauge, (_, field, _) in zip(gauges, _GAUGES, strict=True):
+                gauge.add_metric([member.name], getattr(stats, field))
+            for counter, (_, field, _) in zip(counters, _COUNTERS, strict=True):
+                counter.add_metric([member.name], getattr(stats, field))
+        yield from gauges
+        yield from counters
         yield from self.alloc_latency.collect()
         yield from self.map_latency.collect()
+
+
+# registry -> prefix -> its export; _LOCK guards these and every export's members.
+_EXPORTS: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, _RegistryExport]] = (
+    weakref.WeakKeyDictionary()
+)
+_LOCK = threading.RLock()
+
+
+def _label(export: _RegistryExport, allocator: Allocator, name: str | None) -> str:
+    """The ``allocator`` label: ``name``, else the allocator's ``Config.name``, else ``kv``;
+    an unnamed one gets ``-2``, ``-3``, ... when its label is taken in this registry."""
+    if name is not None:
+        if not name:
+            raise ValueError("name must be a non-empty label value")
+        if name in export.members:
+            raise ValueError(
+                f"an allocator labelled allocator={name!r} is already registered in this "
+                "registry: pass a distinct name= to tell them apart"
+            )
+        return name
+    base = allocator.config.name or "kv"
+    candidates = itertools.chain([base], (f"{base}-{n}" for n in itertools.count(2)))
+    return next(label for label in candidates if label not in export.members)
 
 
 def register(
     kv: Allocator | SyncAllocator,
     registry: CollectorRegistry | None = None,
     *,
-    name: str = "kv",
+    name: str | None = None,
     prefix: str = "kvasync",
 ) -> AllocatorCollector:
     """Exports ``kv``'s gauges, counters and latency histograms to a Prometheus registry.
 
+    Several allocators may share a registry: each is a sample of the same metrics, told apart by
+    the ``allocator`` label.
+
     Args:
         kv: an open allocator (async or blocking).
         registry: where to register; prometheus-client's default ``REGISTRY`` when None.
-        name: the ``allocator`` label (dashboards that merge several processes tell them
-            apart by it).
-        prefix: the metric names' prefix. Several allocators in one registry need distinct
-            prefixes (a registry holds each metric name once).
+        name: the ``allocator`` label. None: the allocator's ``Config.name``, else ``"kv"``,
+            with ``-2``, ``-3``, ... appended when another allocator in this registry has it.
+        prefix: the metric names' prefix.
 
     Returns:
-        The collector (``registry.unregister(collector)`` removes it).
+        The allocator's registration (``.name`` is its label; ``.unregister()`` removes it).
 
     Raises:
-        ValueError: the registry already holds these metric names (prometheus-client's
-            duplicate check), or ``name`` is empty.
+        ValueError: ``name`` is empty or another allocator in the registry has it, ``kv`` is
+            registered there already, or another collector holds these metric names
+            (prometheus-client's duplicate check).
     """
     from .._sync import SyncAllocator
 
-    if not name:
-        raise ValueError("name must be a non-empty label value")
     allocator = kv.allocator if isinstance(kv, SyncAllocator) else kv
-    collector = AllocatorCollector(allocator, name, prefix)
-    (REGISTRY if registry is None else registry).register(collector)
-    allocator._observe = collector.observe_alloc  # one exporter per allocator: the latest
-    return collector
+    registry = REGISTRY if registry is None else registry
+    with _LOCK:
+        exports = _EXPORTS.setdefault(registry, {})
+        export = exports.get(prefix) or _RegistryExport(registry, prefix)
+        if any(member.allocator is allocator for member in export.members.values()):
+            raise ValueError(f"this allocator is registered in this registry already ({prefix})")
+        label = _label(export, allocator, name)
+        if prefix not in exports:
+            registry.register(export)  # raises ValueError when another collector has the names
+            exports[prefix] = export
+        member = AllocatorCollector(export, allocator, label)
+        export.members[label] = member
+    allocator._observe = member.observe_alloc  # one exporter per allocator: the latest
+    return member
