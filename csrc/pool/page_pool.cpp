@@ -404,7 +404,10 @@ void PagePool::serve_waiters() {
 }
 
 void PagePool::plan_maps() {
-  if (share_ && waiters_.empty()) share_->set_blocked(0);
+  if (share_ && waiters_.empty()) {
+    share_->set_blocked(0);
+    ledger_busy_pid_ = 0;  // no wait to describe: the next charge finds out afresh
+  }
   if (waiters_.empty() || closed_) return;
   const int64_t deficit = waiting_blocks_ - usable_free_blocks() - incoming_for_waiters_;
   const int64_t headroom = headroom_pages();
