@@ -250,3 +250,27 @@ def test_the_facade_reports_the_page_size_and_the_first_draining_block():
         assert kv.stats().mapped_pages == 0
         with pytest.raises(TypeError, match="release_handles"):
             kv.trim(release_handles=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_a_memory_limit_below_one_page_says_what_a_page_costs_and_why(contiguous):
+    # Issue 18: "below one page (16777216 bytes across 8 ranges)" left a user guessing why a
+    # page costs 8 times the page size.
+    layout = kvasync.KVLayout(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, contiguous=contiguous
+    )
+    with kvasync.open_allocator_sync(layout, kvasync.Config(backend="host")) as kv:
+        page = kv.page_size * layout.num_ranges
+        with pytest.raises(ValueError) as refused:
+            kv.resize(memory_limit=page - 1, timeout=5.0)
+        message = str(refused.value)
+        assert f"memory_limit {page - 1} bytes" in message
+        assert f"costs {page} bytes" in message
+        if contiguous:
+            assert "one range (contiguous=True" in message
+        else:
+            assert "each of the layout's 8 ranges (one per layer and K/V buffer: 4 x 2)" in message
+            assert "same offset of every range" in message
+        assert "Raise memory_limit to at least that" in message
+        kv.resize(memory_limit=page, timeout=5.0)  # one page is enough
+        assert kv.stats().memory_limit_pages == 1

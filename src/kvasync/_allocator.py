@@ -36,6 +36,7 @@ from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, OutOfBlocks, WouldBlock
 from ._layout import KVLayout
+from ._sizes import format_bytes
 from ._stats import AllocatorStats
 
 __all__ = ["Allocator", "driver_port", "open_allocator"]
@@ -596,11 +597,27 @@ class Allocator:
             return self._num_pages
         pages = memory_limit // self._page_bytes
         if pages < 1:
-            raise ValueError(
-                f"memory_limit {memory_limit} is below one page "
-                f"({self._page_bytes} bytes across {self._layout.num_ranges} ranges)"
-            )
+            raise ValueError(self._below_one_page(memory_limit))
         return min(pages, self._num_pages)
+
+    def _below_one_page(self, memory_limit: int) -> str:
+        # The unit of the limit is a page id, and a page id maps page_size of every range at
+        # once (a block id sits at the same offset of each): say so, with what it costs.
+        layout = self._layout
+        if layout.contiguous:
+            spans = "the layout's one range (contiguous=True: every layer's K/V of a block)"
+        else:
+            spans = (
+                f"each of the layout's {layout.num_ranges} ranges (one per layer and K/V "
+                f"buffer: {layout.num_layers} x {layout.kv_buffers}), since a block id's data "
+                "sits at the same offset of every range"
+            )
+        return (
+            f"memory_limit {memory_limit} bytes ({format_bytes(memory_limit)}) is below one page, "
+            f"which costs {self._page_bytes} bytes ({format_bytes(self._page_bytes)}): a page id "
+            f"maps page_size ({format_bytes(self._page_size)}) in {spans}. Raise memory_limit "
+            "to at least that, or lower Config.page_size where the backend allows it"
+        )
 
     @staticmethod
     def _check_timeout(timeout: float) -> float:
