@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,55 @@ def test_the_extras_the_commands_name_install_the_modules_they_check():
         for module in modules:
             (distribution,) = {normalized(d) for d in distributions[module]}
             assert distribution in named, f"kvasync {command}: {module} is not in [{extra}]"
+
+
+def run_kvasync(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvasync", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def serve_start_line(tmp_path: Path, *options: str) -> tuple[str, str]:
+    """Starts ``kvasync serve`` on a free port, waits (60 s at most) for its start-up line
+    (model, device, KV settings), stops it; returns that line and everything it printed."""
+    output = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "kvasync", "serve", "--port", "0", *options]
+    with open(output, "wb") as sink:
+        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (lines := [x for x in output.read_text().splitlines() if "cache:" in x]):
+            assert server.poll() is None, output.read_text()
+            assert time.monotonic() < deadline, "no start-up line within 60 s"
+            time.sleep(0.05)  # polls the log for the line, bounded by the deadline
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+    return lines[0], output.read_text()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [("--memory-limit", "3MiB"), ("--memory-limit", "3145728"), ("--memory-limit-mib", "3")],
+)
+def test_serve_takes_its_memory_limit_as_a_size_like_device_budget(tmp_path, options):
+    # Issue 18: --memory-limit-mib took an integer while --device-budget took a size string.
+    line, output = serve_start_line(tmp_path, *options)
+    assert "memory limit 3145728 bytes" in line, line
+    deprecated = "--memory-limit-mib is deprecated: use --memory-limit 3MiB"
+    assert (deprecated in output) == (options[0] == "--memory-limit-mib"), output
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_a_memory_limit_that_is_not_a_size_is_refused_by_name(command):
+    done = run_kvasync(command, "--memory-limit", "lots")
+    assert done.returncode == 2
+    assert "Invalid value for '--memory-limit': not a size: 'lots'" in done.stderr
+    both = run_kvasync(command, "--memory-limit", "3MiB", "--memory-limit-mib", "3")
+    assert both.returncode == 2 and "give --memory-limit alone" in both.stderr
+    shown = run_kvasync(command, "--help").stdout
+    assert "--memory-limit SIZE" in shown and "--memory-limit-mib" not in shown

@@ -7,12 +7,59 @@ and the other commands start without them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
+from .._sizes import parse_size
 from ._engine import EngineConfig
 
 __all__ = ["demo_command", "serve_command"]
+
+
+# click >= 8.3 makes ParamType generic; subscripting it would break the click 8.1 we support.
+class _Size(click.ParamType):  # type: ignore[type-arg]
+    """A size in bytes as every kvasync command takes one: ``512MiB``, ``12GiB``, ``4096``."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+_SIZE = _Size()
+_DEMO_LIMIT = 2 << 20  # below the demo burst's peak demand, so the engine preempts
+
+
+def _memory_limit(size: int | None, mib: int | None, command: str) -> int | None:
+    """``--memory-limit``, or its deprecated spelling ``--memory-limit-mib`` (hidden)."""
+    if mib is None:
+        return size
+    if size is not None:
+        raise click.BadParameter(
+            "give --memory-limit alone (--memory-limit-mib is its old spelling)",
+            param_hint="--memory-limit-mib",
+        )
+    click.echo(
+        f"kvasync {command}: --memory-limit-mib is deprecated: use --memory-limit {mib}MiB",
+        err=True,
+    )
+    return mib << 20
+
+
+# The old ``--memory-limit-mib N``, kept (hidden) so that scripts keep working.
+_DEPRECATED_MIB = click.option(
+    "--memory-limit-mib",
+    default=None,
+    type=click.IntRange(1),
+    hidden=True,
+    help="deprecated: --memory-limit NMiB.",
+)
 
 
 @click.command("serve")
@@ -23,7 +70,13 @@ __all__ = ["demo_command", "serve_command"]
     "--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])
 )
 @click.option("--max-blocks", default=2048, show_default=True, type=click.IntRange(1))
-@click.option("--memory-limit-mib", default=None, type=click.IntRange(1), help="KV memory cap.")
+@click.option(
+    "--memory-limit",
+    default=None,
+    type=_SIZE,
+    help="KV memory cap: bytes the KV cache may map (512MiB, 2GiB, ...; default: none).",
+)
+@_DEPRECATED_MIB
 @click.option("--max-batch", default=64, show_default=True, type=click.IntRange(1))
 @click.option(
     "--request-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.001)
@@ -36,6 +89,7 @@ __all__ = ["demo_command", "serve_command"]
 @click.option(
     "--device-budget",
     default=None,
+    type=_SIZE,
     help="with --share: bytes the share's engines may map together (12GiB, 512MiB, ...).",
 )
 @click.option("--name", default="kvasync-serve", show_default=True, help="name in the share.")
@@ -52,11 +106,12 @@ def serve_command(
     port: int,
     device: str,
     max_blocks: int,
+    memory_limit: int | None,
     memory_limit_mib: int | None,
     max_batch: int,
     request_timeout: float,
     share: str | None,
-    device_budget: str | None,
+    device_budget: int | None,
     name: str,
     max_waiting: int | None,
 ) -> None:
@@ -64,25 +119,20 @@ def serve_command(
     /v1/chat/completions)."""
     import uvicorn
 
-    from .._sizes import parse_size
     from ._http import create_app, uvicorn_log_config
 
     if device_budget is not None and share is None:
         raise click.BadParameter("--device-budget needs --share", param_hint="--device-budget")
     try:
-        budget = None if device_budget is None else parse_size(device_budget)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--device-budget") from None
-    try:
         config = EngineConfig(
             preset=preset,
             device=device,
             max_blocks=max_blocks,
-            memory_limit=None if memory_limit_mib is None else memory_limit_mib << 20,
+            memory_limit=_memory_limit(memory_limit, memory_limit_mib, "serve"),
             max_batch=max_batch,
             request_timeout=request_timeout,
             share=share,
-            device_budget=budget,
+            device_budget=device_budget,
             name=name,
         )
     except ValueError as error:
@@ -97,12 +147,12 @@ def serve_command(
 @click.option("--requests", default=96, show_default=True, type=click.IntRange(1, 10000))
 @click.option("--max-tokens", default=48, show_default=True, type=click.IntRange(1, 256))
 @click.option(
-    "--memory-limit-mib",
-    default=2,
-    show_default=True,
-    type=click.IntRange(1),
-    help="KV memory cap: below the burst's peak demand, so the engine preempts.",
+    "--memory-limit",
+    default=None,
+    type=_SIZE,
+    help="KV memory cap: below the burst's peak demand, so the engine preempts  [default: 2MiB]",
 )
+@_DEPRECATED_MIB
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option(
     "--plot",
@@ -112,9 +162,15 @@ def serve_command(
     help="where to write the plot (PNG).",
 )
 def demo_command(
-    requests: int, max_tokens: int, memory_limit_mib: int, seed: int, plot: Path
+    requests: int,
+    max_tokens: int,
+    memory_limit: int | None,
+    memory_limit_mib: int | None,
+    seed: int,
+    plot: Path,
 ) -> None:
     """Serve a burst of concurrent requests with the tiny model; live progress, then a table."""
     from ._demo import run_demo_command
 
-    run_demo_command(requests, max_tokens, memory_limit_mib, seed, plot)
+    limit = _memory_limit(memory_limit, memory_limit_mib, "demo")
+    run_demo_command(requests, max_tokens, _DEMO_LIMIT if limit is None else limit, seed, plot)

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .._errors import KVAsyncError
+from .._sizes import format_bytes
 from ._engine import Engine, EngineConfig
 from ._errors import RequestFailed
 from ._report import MemorySampler, RunResult, plot_runs, summarize
@@ -44,12 +45,12 @@ def demo_prompts(count: int, seed: int) -> list[tuple[str, int]]:
 
 
 async def run_demo(
-    requests: int, max_tokens: int, memory_limit_mib: int, seed: int, console: Console
+    requests: int, max_tokens: int, memory_limit: int, seed: int, console: Console
 ) -> RunResult:
     """Runs the burst (in waves); returns its measurements."""
     config = EngineConfig(
         preset="tiny",
-        memory_limit=memory_limit_mib << 20,
+        memory_limit=memory_limit,
         max_blocks=4096,
         request_timeout=_DEMO_TIMEOUT_S,
         name="demo",
@@ -95,16 +96,16 @@ async def run_demo(
 
 
 def run_demo_command(
-    requests: int, max_tokens: int, memory_limit_mib: int, seed: int, plot: Path
+    requests: int, max_tokens: int, memory_limit: int, seed: int, plot: Path
 ) -> None:
     """The body of ``kvasync demo`` (see serve/_cli.py)."""
     console = Console()
     console.print(
         f"kvasync demo: {requests} concurrent requests in {_WAVES} waves, tiny model, KV memory "
-        f"limit {memory_limit_mib} MiB"
+        f"limit {format_bytes(memory_limit)}"
     )
     try:
-        result = asyncio.run(run_demo(requests, max_tokens, memory_limit_mib, seed, console))
+        result = asyncio.run(run_demo(requests, max_tokens, memory_limit, seed, console))
     except (ValueError, KVAsyncError) as error:
         click.echo(f"kvasync demo: {error}", err=True)
         sys.exit(2)
