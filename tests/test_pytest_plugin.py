@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 pytest_plugins = ["pytester"]
 
 USER_TESTS = """
+import re
+from pathlib import Path
+
 import pytest
 import kvasync
 
@@ -43,6 +49,9 @@ def run(pytester: pytest.Pytester, marker: str, *args: str) -> pytest.RunResult:
 
 
 SYNC_USER_TESTS = """
+import re
+from pathlib import Path
+
 import pytest
 import kvasync
 
@@ -131,3 +140,37 @@ def test_the_old_plugin_name_in_pytest_plugins_still_works(pytester, entry_point
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 3, result.stdout.str()
     assert outcomes.get("passed", 0) >= 2 and "failed" not in outcomes and "errors" not in outcomes
+
+
+def readme_plugin_examples() -> list[str]:
+    """The python blocks of the README's pytest-plugin section, in order."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Testing your code: the pytest plugin", 1)[1].split("\n### ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+
+
+def test_the_readmes_examples_pass_as_written(pytester):
+    # Issue 18: the README's example failed under plain pytest (an async test, no plugin named).
+    plain, asynchronous = readme_plugin_examples()
+    pytester.makepyfile(test_plain=plain)
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "-q", "--timeout=20", "-p", "no:asyncio", "-p", "no:anyio"
+    )
+    assert result.parseoutcomes().get("passed") == 1, result.stdout.str()
+    # The async one as the README says to run it: pytest-asyncio, the test marked.
+    pytester.makepyfile(test_async=plain + asynchronous)
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--timeout=20",
+        "-p",
+        "no:anyio",
+        "-o",
+        "asyncio_mode=strict",
+        "-o",
+        "asyncio_default_fixture_loop_scope=function",
+        "test_async.py",
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 2 and "failed" not in outcomes, result.stdout.str()
