@@ -17,6 +17,9 @@ than ``LATE_S``, an unexpected exception, or growth of RSS (beyond ``RSS_GROWTH_
 from the end of the first epoch, once torch and the allocator are warm) or of open fds (beyond
 ``FD_GROWTH``) between the start and the end.
 
+It ends with a table of what it did (operations, faults injected) and saw (double handouts,
+leaks, RSS and fds, deadlines).
+
 Usage: ``SOAK_SECONDS=120 python tests/soak.py`` (default 600).
 """
 
@@ -30,6 +33,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.table import Table
 
 import kvasync
 from kvasync.testing import FaultInjector
@@ -61,7 +68,14 @@ class Figures:
     would_block: int = 0
     cancelled: int = 0
     thread_frees: int = 0
-    faults: int = 0
+    frees: int = 0
+    injected: dict[str, int] = field(
+        default_factory=lambda: {"map delays": 0, "map failures": 0, "map hangs": 0, "releases": 0}
+    )
+    double_handouts: int = 0
+    lost_data: int = 0
+    leaked_blocks: int = 0  # allocated at the end of an epoch, every request ended
+    leaked_pages: int = 0  # mapped after close
     trims: int = 0
     resizes: int = 0
     epochs: int = 0
@@ -150,6 +164,7 @@ class Epoch:
     def claim(self, blocks: list[int]) -> None:
         twice = [b for b in blocks if b in self.held]
         if twice:
+            self.figures.double_handouts += len(twice)
             self.figures.problem(f"blocks {twice[:4]} handed out while held")
         for b in blocks:
             signature = float(self.rng.randrange(1, 2000))  # exact in fp16
@@ -157,17 +172,18 @@ class Epoch:
                 buffer[b].fill_(signature)
             self.held[b] = signature
 
-    def buffers(self) -> list[object]:
+    def buffers(self) -> list[torch.Tensor]:
         return [t for i in range(LAYOUT.num_layers) for t in self.kv.layer(i)]
 
     def verify(self, blocks: list[int]) -> None:
         for b in blocks:
             for buffer in self.buffers():
-                block = buffer[b]  # type: ignore[index]
+                block = buffer[b]
                 if (
                     block[0, 0, 0].item() != self.held[b]
                     or block[-1, -1, -1].item() != self.held[b]
                 ):
+                    self.figures.lost_data += 1
                     self.figures.problem(f"block {b} lost its data")
                     return
 
@@ -177,6 +193,7 @@ class Epoch:
         self.verify(blocks)
         for b in blocks:
             del self.held[b]
+        self.figures.frees += 1
         if self.rng.random() < 0.2:
             self.figures.thread_frees += 1
             thread = threading.Thread(target=self.kv.free, args=(blocks,))
@@ -245,18 +262,22 @@ class Epoch:
 
     async def inject_faults(self) -> None:
         while True:
-            await asyncio.sleep(self.rng.uniform(0.2, 1.5))
-            self.figures.faults += 1
+            await asyncio.sleep(self.rng.uniform(0.05, 0.6))
             choice = self.rng.random()
             if choice < 0.3:
+                self.figures.injected["map delays"] += 1
                 self.faults.delay(self.rng.choice([0.001, 0.005, 0.02]))
             elif choice < 0.55:
-                self.faults.fail(self.rng.randint(1, 3))
+                count = self.rng.randint(1, 8)
+                self.figures.injected["map failures"] += count
+                self.faults.fail(count)
             elif choice < 0.7:
+                self.figures.injected["map hangs"] += 1
                 self.faults.hang()
                 await asyncio.sleep(self.rng.uniform(0.05, 0.3))
                 self.faults.release()
             else:
+                self.figures.injected["releases"] += 1
                 self.faults.release()
 
     async def change_memory(self) -> None:
@@ -316,6 +337,7 @@ async def run_epoch(seconds: float, figures: Figures) -> None:
                 figures.problem("free() from another thread did not return within 5 s")
         stats = kv.stats()
         if stats.used_blocks or stats.waiters or epoch.held:
+            figures.leaked_blocks += stats.used_blocks
             figures.problem(
                 f"after every request ended: {stats.used_blocks} blocks allocated, "
                 f"{stats.waiters} waiters, {len(epoch.held)} blocks in the workers' books"
@@ -328,6 +350,7 @@ async def run_epoch(seconds: float, figures: Figures) -> None:
         if took > CLOSE_TIMEOUT_S + 1.0 + LATE_S:  # close waits at least 1 s for an idle mapper
             figures.problem(f"close took {took:.3f} s")
         if kv.stats().mapped_pages:
+            figures.leaked_pages += kv.stats().mapped_pages
             figures.problem(f"{kv.stats().mapped_pages} pages still mapped after close")
     figures.epochs += 1
 
@@ -355,24 +378,48 @@ async def soak(total_s: float) -> int:
             )
     end_rss, end_fds = rss_mib(), open_fds()
     warm_rss = end_rss if warm_rss is None else warm_rss
-    print(
-        f"end: RSS {end_rss:.1f} MiB (after the first epoch {warm_rss:.1f}), {end_fds} open fds\n"
-        f"allocations {figures.allocs} ({figures.blocks} blocks), timeouts {figures.timeouts}, "
-        f"map errors {figures.map_errors}, out of blocks {figures.out_of_blocks}, would block "
-        f"{figures.would_block}, cancelled {figures.cancelled}, frees from a thread "
-        f"{figures.thread_frees}, faults {figures.faults}, trims {figures.trims}, resizes "
-        f"{figures.resizes}, epochs (open..close) {figures.epochs}, "
-        f"largest overrun of a deadline {figures.max_overrun_s * 1e3:.1f} ms, largest loop lag "
-        f"{figures.max_loop_lag_s * 1e3:.1f} ms"
-    )
     if end_rss - warm_rss > RSS_GROWTH_MIB:
         figures.problem(f"RSS grew {end_rss - warm_rss:.1f} MiB after the first epoch")
     if end_fds - start_fds > FD_GROWTH:
         figures.problem(f"open fds grew from {start_fds} to {end_fds}")
-    for problem in figures.problems:
-        print(f"PROBLEM: {problem}")
-    print("soak: FAILED" if figures.problems else "soak: passed")
+    print_report(figures, (start_rss, warm_rss, end_rss), (start_fds, end_fds))
     return 1 if figures.problems else 0
+
+
+def print_report(figures: Figures, rss: tuple[float, float, float], fds: tuple[int, int]) -> None:
+    f = figures
+    failed = f.timeouts + f.map_errors + f.out_of_blocks + f.would_block
+    operations = f.allocs + failed + f.cancelled + f.frees + f.trims + f.resizes
+    table = Table(title="random operations soak", title_justify="left")
+    table.add_column("what")
+    table.add_column("seen", justify="right")
+    table.add_row("operations", f"{operations}")
+    table.add_row("  allocs served (blocks)", f"{f.allocs} ({f.blocks})")
+    table.add_row("  allocs timed out", f"{f.timeouts}")
+    table.add_row("  allocs failed: map error", f"{f.map_errors}")
+    table.add_row("  allocs refused: out of blocks", f"{f.out_of_blocks}")
+    table.add_row("  alloc_nowait: would block", f"{f.would_block}")
+    table.add_row("  allocs cancelled", f"{f.cancelled}")
+    table.add_row("  frees (from another thread)", f"{f.frees} ({f.thread_frees})")
+    table.add_row("  trims / resizes", f"{f.trims} / {f.resizes}")
+    table.add_row("faults injected", f"{sum(f.injected.values())}")
+    for kind, count in f.injected.items():
+        table.add_row(f"  {kind}", f"{count}")
+    table.add_row("epochs (open..close)", f"{f.epochs}")
+    table.add_row("double handouts", f"{f.double_handouts}")
+    table.add_row("blocks whose data changed", f"{f.lost_data}")
+    table.add_row("leak: blocks after an epoch", f"{f.leaked_blocks}")
+    table.add_row("leak: pages mapped after close", f"{f.leaked_pages}")
+    table.add_row("RSS: start / epoch 1 / end", f"{rss[0]:.0f} / {rss[1]:.0f} / {rss[2]:.0f} MiB")
+    table.add_row("open fds: start / end", f"{fds[0]} / {fds[1]}")
+    table.add_row("largest deadline overrun", f"{f.max_overrun_s * 1e3:.1f} ms")
+    table.add_row("largest loop lag", f"{f.max_loop_lag_s * 1e3:.1f} ms")
+    table.add_row("problems", f"{len(f.problems)}")
+    console = Console()
+    console.print(table)
+    for problem in f.problems:
+        console.print(f"PROBLEM: {problem}", markup=False)
+    console.print("soak: FAILED" if f.problems else "soak: passed")
 
 
 def main() -> int:
