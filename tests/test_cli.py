@@ -9,12 +9,16 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import tomllib
 
+import kvasync
+import kvasync.share
 from kvasync import cli
+from kvasync._sizes import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,13 +81,13 @@ def test_the_extras_the_commands_name_install_the_modules_they_check():
             assert distribution in named, f"kvasync {command}: {module} is not in [{extra}]"
 
 
-def run_kvasync(*args: str) -> subprocess.CompletedProcess[str]:
+def run_kvasync(*args: str, columns: int = 200) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvasync", *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": str(columns)},
     )
 
 
@@ -127,3 +131,40 @@ def test_a_memory_limit_that_is_not_a_size_is_refused_by_name(command):
     assert both.returncode == 2 and "give --memory-limit alone" in both.stderr
     shown = run_kvasync(command, "--help").stdout
     assert "--memory-limit SIZE" in shown and "--memory-limit-mib" not in shown
+
+
+def test_ls_stays_readable_in_a_narrow_terminal():
+    # Issue 18: at 60 columns the table cut every header and the name to "map…", "lla…".
+    share = f"test-narrow-{uuid.uuid4().hex[:8]}"
+    name = "llama-3-70b-instruct-engine-on-the-left-half"  # more than a 60-column row holds
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    config = kvasync.Config(
+        backend="host", share=share, device_budget=64 << 20, name=name, reserve_pages=(0, 0)
+    )
+    with kvasync.open_allocator_sync(layout, config) as kv:
+        blocks = kv.alloc(600, timeout=5.0)
+        deadline = time.monotonic() + 5.0
+        while not (entry := kvasync.share.snapshot(share)[0]).used_bytes:  # published in a while
+            assert time.monotonic() < deadline, "the ledger did not show the blocks within 5 s"
+            time.sleep(0.01)
+        narrow = run_kvasync("ls", "--share", share, columns=60)
+        wide = run_kvasync("ls", "--share", share, columns=200)
+        kv.free(blocks)
+    assert narrow.returncode == 0 and wide.returncode == 0, narrow.stderr + wide.stderr
+    assert max(map(len, narrow.stdout.splitlines())) <= 60, narrow.stdout
+    assert "…" not in narrow.stdout
+    assert name in "".join(narrow.stdout.split()), narrow.stdout  # folded, never cut
+    fields = {
+        "pid": str(entry.pid),
+        "used": format_bytes(entry.used_bytes),
+        "mapped": format_bytes(entry.mapped_bytes),
+        "reserve": format_bytes(entry.reserved_bytes),
+        "limit": format_bytes(entry.limit_bytes),
+        "mapper op": "idle",
+    }
+    for field, value in fields.items():  # a line per column, its value in full
+        assert re.search(rf"^\s*{field}\s+{re.escape(value)}\s*$", narrow.stdout, re.M), field
+    # Where it fits, a row per allocator, as before.
+    header = next(line for line in wide.stdout.splitlines() if "mapper op" in line)
+    assert all(column in header for column in fields)
+    assert name in wide.stdout

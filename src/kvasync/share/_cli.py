@@ -12,8 +12,10 @@ import os
 import time
 
 import click
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -75,23 +77,50 @@ def _op_text(entry: ledger.LedgerEntry) -> Text:
     return Text(text, style="bold red" if entry.op_age_s >= STALLED_AFTER_S else "")
 
 
-def render(share: str, entries: list[ledger.LedgerEntry]) -> Group:
-    """The share's table, with a line for its budget and what is committed against it."""
-    table = Table(title=f"kvasync share {share!r} ({ledger.path(share)})", expand=False)
-    for column in ("pid", "name", "used", "mapped", "reserve", "limit", "waiters", "mapper op"):
+_COLUMNS = ("pid", "name", "used", "mapped", "reserve", "limit", "waiters", "mapper op")
+
+
+def _cells(e: ledger.LedgerEntry) -> list[str | Text]:
+    """An entry's cells, in the order of ``_COLUMNS``."""
+    waiters = f"{e.waiters}" + (f" ({e.blocked} on budget)" if e.blocked else "")
+    return [
+        str(e.pid),
+        e.name,
+        format_bytes(e.used_bytes),
+        format_bytes(e.mapped_bytes),
+        format_bytes(e.reserved_bytes),
+        format_bytes(e.limit_bytes),
+        Text(waiters, style="yellow" if e.waiters else ""),
+        _op_text(e),
+    ]
+
+
+def _width(console: Console, table: Table) -> int:
+    """The columns ``table`` takes with no cell cut or wrapped (unbounded by the terminal)."""
+    return Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+
+
+def render(share: str, entries: list[ledger.LedgerEntry], console: Console | None = None) -> Group:
+    """The share's table, with a line for its budget and what is committed against it.
+
+    A row per allocator where it fits ``console``'s width; in a narrower terminal, a section per
+    allocator with a line per column, whose values fold rather than being cut.
+    """
+    title = f"kvasync share {share!r} ({ledger.path(share)})"
+    table = Table(title=title, expand=False)
+    for column in _COLUMNS:
         table.add_column(column, justify="left" if column in ("name", "mapper op") else "right")
     for e in entries:
-        waiters = f"{e.waiters}" + (f" ({e.blocked} on budget)" if e.blocked else "")
-        table.add_row(
-            str(e.pid),
-            e.name,
-            format_bytes(e.used_bytes),
-            format_bytes(e.mapped_bytes),
-            format_bytes(e.reserved_bytes),
-            format_bytes(e.limit_bytes),
-            Text(waiters, style="yellow" if e.waiters else ""),
-            _op_text(e),
-        )
+        table.add_row(*_cells(e))
+    if console is not None and _width(console, table) > console.width:
+        table = Table(title=title, expand=False, show_header=False, box=box.SIMPLE)
+        table.add_column("column", no_wrap=True)
+        table.add_column("value", overflow="fold")
+        for i, e in enumerate(entries):
+            if i:
+                table.add_section()
+            for column, cell in zip(_COLUMNS, _cells(e), strict=True):
+                table.add_row(column, cell)
     total = sum(e.committed_bytes for e in entries)
     budget = ledger.budget(entries)
     footer = f"{len(entries)} allocator(s); committed {format_bytes(total)}"
@@ -169,7 +198,7 @@ def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
         if every_share and not found and not unusable:
             console.print(Text(f"kvasync: {_shares_text()}"))
         for n, entries in found:
-            console.print(render(n, entries))
+            console.print(render(n, entries, console))
     # An overview nobody asked of one share: a file it cannot read is reported, not a failure.
     for line in unusable:
         click.echo(f"kvasync: cannot read share {line}", err=True)
@@ -204,7 +233,7 @@ def top_command(share: str | None, interval: float, count: int) -> None:
             entries = _snapshot_if_any(name)
         except (KVAsyncError, ValueError) as error:
             raise click.ClickException(str(error)) from error
-        return render(name, entries) if entries else _waiting(name)
+        return render(name, entries, console) if entries else _waiting(name)
 
     try:
         with Live(view(), console=console, auto_refresh=False) as live:
