@@ -1,0 +1,1370 @@
+#!/usr/bin/env python3
+"""Many models on one device, where KV memory binds: N engines sharing one KV budget through
+kvasync against static partitions of it (issue 16).
+
+Each engine is its own process (our serving engine, kvasync.serve) with its own model and its own
+seeded trace, all on one device; they start their traces at the same moment. Variants, on the
+same traces:
+
+  static 1/N   each engine maps budget/N at start and keeps it (``static=True``): what co-located
+               engines with preallocated pools do.
+  shared       one budget through kvasync (``Config(share=..., device_budget=budget)``): each
+               engine maps what it needs, the share keeps their sum within the budget.
+  best static  the static split chosen with hindsight: splits proportional to each engine's peak
+               and mean KV demand (estimated from the trace by Little's law) and to the peaks the
+               shared run measured; the best of them and 1/N is the upper bound of any static
+               policy (on these traces).
+
+Cases:
+
+  memory   the regime co-location exists for, built from first principles. Popularity is
+           skewed: one engine is hot, the others get ``cold_weight`` of its arrival rate; the hot
+           one changes over the run (engine 0 for the longest phase, then 1, ...; with N = 4 the
+           last engine stays cold); every engine has seeded bursts; prompts are long and outputs
+           long enough that a request holds its KV for seconds. The hot rate is set, before any
+           variant runs, so that the hot engine's working set (Little's law: rate x lifetime x KV
+           per request, the lifetime from the decode step time measured at that batch) is
+           ``hot_fill`` of the whole budget: more than a 1/N partition holds (N >= 2 with
+           hot_fill > 1/2), while the hot engine plus the cold ones fit the budget together. The
+           batch this needs is far below ``max_batch``, so compute does not bind; the output
+           shows it (step time at the crest against the step time at full batch, and tokens/s
+           at the crest against the full batch's).
+  compute  the compute-bound trace of bench_serving.py --colocated-only (two engines, bump-shaped
+           arrivals peaking at 30% and 70% of the run, both past their compute at the crest), on
+           this harness (static halves against shared): no memory policy can win here; the goal
+           is not to lose.
+
+Metrics: requests within both SLOs (TTFT and TPOT) per engine and in total; goodput (requests
+within SLO per second of arrivals); preemptions; queue waits (request-seconds waiting, and those
+waiting while the batch had room: queued for memory); the time to take memory back from an idle
+engine (shared runs, from the share's ledger sampled every 20 ms: from a sample where a member is
+blocked on the share's budget while another holds a page or more mapped beyond what it uses, to
+the first sample where that one's committed bytes dropped); KV memory held over time per engine
+(a plot, one panel per variant). A client gives up on a request with no token after
+``give_up_factor`` TTFT SLOs (it would miss the SLO anyway), which also bounds each run's drain.
+
+Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (issue 19's
+plugin, kvasync.integrations.vllm); it is not wired yet and says so.
+
+Usage: python bench/bench_colocate_many.py --preset tiny --device cpu --engines 2 --duration 10
+Writes the tables (results_<preset>.md), the plots (PNG) and summary.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _tables import markdown
+
+MIB = 1 << 20
+SAMPLE_S = 0.02  # the workers' and the ledger's sampling interval
+READY_TIMEOUT_S = 180.0  # a worker's import, engine open (static: maps its whole limit), warm-up
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The memory-bound case of a preset: the budget, the request shapes and the SLOs."""
+
+    budget_mib: int  # the device's KV budget, all engines together
+    prompt_median: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    max_batch: int
+    max_batch_tokens: int
+    slo_ttft_s: float
+    slo_tpot_s: float
+    hot_fill: float = 0.6  # the hot engine's working set, as a share of the whole budget
+    cold_weight: float = 0.12  # a cold engine's arrival rate, as a share of the hot one's
+    burst_factor: float = 1.6  # arrivals during a burst, times the rate outside it
+    burst_s: float = 1.5
+    bursts_per_min: float = 6.0  # per engine, Poisson
+    give_up_factor: float = 3.0  # a client leaves after this many TTFT SLOs without a token
+
+
+REGIMES = {
+    # tiny, host backend: 256 KiB page ids of 512 tokens; 8 MiB = 32 page ids = 16k tokens.
+    "tiny": Regime(8, 240, (128, 400), (16, 64), 64, 4096, 2.0, 0.1),
+    # small, cuda: 48 MiB page ids of 4096 tokens (12 KiB a token); 1536 MiB = 32 page ids.
+    "small": Regime(1536, 1800, (1024, 3200), (64, 256), 256, 8192, 2.0, 0.05),
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a page id of an engine's KV cache holds, on the device the run uses."""
+
+    page_bytes: int  # page_size x ranges: the budget's unit
+    tokens_per_page: int
+    block_size: int
+
+    @property
+    def token_bytes(self) -> float:
+        return self.page_bytes / self.tokens_per_page
+
+
+def geometry(preset: str, device: str) -> Geometry:
+    import torch
+
+    import kvasync
+    from kvasync.serve._model import preset as model_preset
+
+    model = model_preset(preset)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layout = kvasync.KVLayout(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=model.block_size,
+        dtype=dtype,
+    )
+    page_size = (2 << 20) if device == "cuda" else (64 << 10)  # kv_config's defaults
+    blocks = layout.blocks_per_page(page_size)
+    return Geometry(page_size * layout.num_ranges, blocks * model.block_size, model.block_size)
+
+
+# -- traces ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival: float  # seconds after the start
+    prompt_tokens: int
+    max_tokens: int
+
+
+def hot_schedule(engines: int, duration: float) -> list[tuple[float, int]]:
+    """(start, hot engine) phases: engines 0..m-1 hot in turn for m, m-1, ..., 1 parts of the run
+    (m = max(2, N - 1)): popularity shifts, and unevenly, so that a static split with hindsight
+    has something to exploit; with N = 4 the last engine is never hot."""
+    m = max(2, engines - 1)
+    weights = list(range(m, 0, -1))
+    phases, start = [], 0.0
+    for engine, weight in enumerate(weights):
+        phases.append((start, engine))
+        start += duration * weight / sum(weights)
+    return phases
+
+
+def hot_at(phases: list[tuple[float, int]], t: float) -> int:
+    return [engine for start, engine in phases if start <= t][-1]
+
+
+def _lengths(rng: np.random.Generator, regime: Regime) -> tuple[int, int]:
+    low, high = regime.prompt_range
+    prompt = int(np.clip(rng.lognormal(math.log(regime.prompt_median), 0.35), low, high))
+    output = int(rng.integers(regime.output_range[0], regime.output_range[1] + 1))
+    return prompt, output
+
+
+def memory_bound_traces(
+    regime: Regime, engines: int, duration: float, hot_rate: float, seed: int
+) -> list[list[TraceRequest]]:
+    """One trace per engine: Poisson arrivals (by thinning) at ``hot_rate`` while the engine is
+    hot, ``cold_weight`` of it while cold, times ``burst_factor`` within its bursts."""
+    phases = hot_schedule(engines, duration)
+    traces = []
+    for engine in range(engines):
+        rng = np.random.default_rng([seed, engine])
+        bursts, t = [], 0.0
+        while True:
+            t += rng.exponential(60.0 / regime.bursts_per_min)
+            if t >= duration:
+                break
+            bursts.append(t)
+        peak = hot_rate * regime.burst_factor
+        requests: list[TraceRequest] = []
+        t = 0.0
+        while True:
+            t += rng.exponential(1 / peak)
+            if t >= duration:
+                break
+            rate = hot_rate * (1.0 if hot_at(phases, t) == engine else regime.cold_weight)
+            if any(s <= t < s + regime.burst_s for s in bursts):
+                rate *= regime.burst_factor
+            if rng.random() * peak > rate:
+                continue
+            requests.append(TraceRequest(t, *_lengths(rng, regime)))
+        traces.append(requests)
+    return traces
+
+
+def compute_bound_traces(preset: str, duration: float, seed: int) -> list[list[TraceRequest]]:
+    """bench_serving.py's co-located traces (the same seeds and phases)."""
+    from bench_serving import WORKLOADS, make_trace
+
+    workload = WORKLOADS[preset]
+    traces = []
+    for index, phase in enumerate((0.3, 0.7)):
+        trace = make_trace(workload, duration, seed + 1 + index, phase)
+        traces.append([TraceRequest(r.arrival, len(r.prompt), r.max_tokens) for r in trace])
+    return traces
+
+
+def prompt_text(seed: int, engine: int, index: int, length: int) -> str:
+    chars = np.random.default_rng([seed, engine, index, 7]).integers(32, 127, size=length)
+    return bytes(chars.tolist()).decode()
+
+
+def demand_series(
+    trace: list[TraceRequest],
+    lifetime: Callable[[TraceRequest], float],
+    token_bytes: float,
+    duration: float,
+) -> np.ndarray:
+    """KV bytes an unconstrained engine would hold over time (0.1 s grid), by Little's law: a
+    request holds its prompt + half its output (the mean over its decode) from arrival for its
+    lifetime."""
+    grid = np.arange(0.0, duration + 10.0, 0.1)
+    held = np.zeros_like(grid)
+    for r in trace:
+        end = r.arrival + lifetime(r)
+        held[(grid >= r.arrival) & (grid < end)] += (r.prompt_tokens + r.max_tokens / 2) * (
+            token_bytes
+        )
+    return held
+
+
+# -- one engine (a worker process) -------------------------------------------------------------
+
+
+def record_to_json(record: Any, start: float) -> dict[str, object]:
+    data = dataclasses.asdict(record)
+    for key in ("arrival", "first_token", "finish"):
+        if data[key] is not None:
+            data[key] -= start
+    return data
+
+
+class StepLog:
+    """Times every step of an engine: wraps its runner's ``execute`` (the forward pass and the
+    sampling, synchronous, run in the engine's step thread) so the measured step is the real one.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.start = time.monotonic()
+        self.steps: list[tuple[float, float, int, int]] = []  # (start, seconds, batch, new tok)
+        execute = engine.runner.execute
+
+        def timed(tokens: Any, starts: Any, tables: Any, sampling: Any) -> Any:
+            begin = time.monotonic()
+            result = execute(tokens, starts, tables, sampling)
+            new = sum(len(t) - s for t, s in zip(tokens, starts, strict=True))
+            self.steps.append((begin - self.start, time.monotonic() - begin, len(tokens), new))
+            return result
+
+        engine.runner.execute = timed
+
+
+def engine_config(spec: dict[str, Any]) -> Any:
+    from kvasync.serve import EngineConfig
+
+    return EngineConfig(**spec["config"])
+
+
+async def _read_command() -> dict[str, Any]:
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    if not line:
+        raise SystemExit(0)  # the parent is gone
+    command: dict[str, Any] = json.loads(line)
+    return command
+
+
+def _reply(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine alone on the device. Bursts: per (batch, prompt tokens, output tokens), the
+    median decode step time (steps that were all decode at that batch). Stream: a trace replayed
+    at its rate; the KV it held on average once steady (the second half), by Little's law the
+    rate x lifetime x KV per request the working-set estimate assumed, measured."""
+    from kvasync.serve import Engine
+    from kvasync.serve._report import MemorySampler
+
+    engine = await Engine.open(engine_config(spec))
+    async with engine:
+        await engine.complete("warm up", max_tokens=2)
+        log = StepLog(engine)
+        results: dict[str, Any] = {"bursts": []}
+        for batch, prompt_tokens, output in spec["bursts"]:
+            first = len(log.steps)
+            prompts = [prompt_text(99, 0, i, prompt_tokens) for i in range(batch)]
+            await asyncio.wait_for(
+                asyncio.gather(*(engine.complete(p, max_tokens=output) for p in prompts)), 300
+            )
+            decode = [s for _, s, b, new in log.steps[first:] if b == batch and new == batch]
+            results["bursts"].append(
+                {
+                    "batch": batch,
+                    "prompt_tokens": prompt_tokens,
+                    "step_s": float(np.median(decode)) if decode else float("nan"),
+                    "decode_steps": len(decode),
+                }
+            )
+        if spec.get("stream"):
+            trace = [TraceRequest(*r) for r in json.loads(Path(spec["stream"]).read_text())]
+            kv = engine.kv
+            start = time.monotonic()
+
+            async def one(index: int, request: TraceRequest) -> float:
+                await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
+                prompt = prompt_text(98, 0, index, request.prompt_tokens)
+                began = time.monotonic()
+                await engine.complete(prompt, max_tokens=request.max_tokens)
+                return time.monotonic() - began
+
+            with MemorySampler(lambda: kv.stats().used_blocks, SAMPLE_S) as used:
+                used.start = start
+                lifetimes = await asyncio.wait_for(
+                    asyncio.gather(*(one(i, r) for i, r in enumerate(trace))), 300
+                )
+            end = trace[-1].arrival
+            steady = [n for t, n in used.samples if end / 2 <= t <= end]
+            results["stream"] = {
+                "mean_used_blocks": float(np.mean(steady)) if steady else 0.0,
+                "mean_lifetime_s": float(np.mean(lifetimes)),
+                "requests": len(trace),
+            }
+        return results
+
+
+async def replay(spec: dict[str, Any]) -> dict[str, Any]:
+    """Opens the engine, says ready, replays the trace from the start time the parent sends."""
+    from kvasync.serve import Engine, RequestFailed, RequestTooLarge
+    from kvasync.serve._report import MemorySampler
+
+    trace = [TraceRequest(*r) for r in json.loads(Path(spec["trace"]).read_text())]
+    engine = await Engine.open(engine_config(spec))
+    async with engine:
+        await engine.complete("warm up", max_tokens=2)  # first step's lazy inits, off the clock
+        prompts = [
+            prompt_text(spec["seed"], spec["engine"], i, r.prompt_tokens)
+            for i, r in enumerate(trace)
+        ]
+        _reply(ready=True)
+        go = await _read_command()
+        await asyncio.sleep(max(0.0, go["start_at"] - time.time()))
+        start = time.monotonic()
+        log = StepLog(engine)
+        log.start = start
+        kv, scheduler = engine.kv, engine.scheduler
+        give_up = spec["give_up_s"]
+        counts = {"refused": 0, "gave up": 0}
+
+        async def one(index: int, request: TraceRequest) -> None:
+            await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
+            stream = engine.generate(prompts[index], max_tokens=request.max_tokens)
+            try:
+                async with asyncio.timeout(give_up):
+                    await anext(stream, None)
+                async for _ in stream:
+                    pass
+            except RequestTooLarge:  # refused at submit: no record
+                counts["refused"] += 1
+            except RequestFailed:  # recorded by the engine (its deadline, ...)
+                pass
+            except TimeoutError:  # no token within give_up: the client leaves (recorded)
+                counts["gave up"] += 1
+            finally:
+                await stream.aclose()
+
+        memory = MemorySampler(lambda: kv.stats().mapped_bytes, SAMPLE_S)
+        waiting = MemorySampler(lambda: len(scheduler.waiting), SAMPLE_S)
+        running = MemorySampler(lambda: len(scheduler.running), SAMPLE_S)
+        for sampler in (memory, waiting, running):
+            sampler.start = start
+        with memory, waiting, running:
+            await asyncio.wait_for(
+                asyncio.gather(*(one(i, r) for i, r in enumerate(trace))),
+                spec["duration"] + give_up + 600,
+            )
+        duration = time.monotonic() - start
+        stats = engine.stats()
+        records = [r for r in engine.records() if r.arrival >= start]
+        return {
+            "name": spec["name"],
+            "duration": duration,
+            "memory": memory.samples,
+            "waiting": waiting.samples,
+            "running": running.samples,
+            "steps": log.steps,
+            "records": [record_to_json(r, start) for r in records],
+            "extra": {
+                "moved blocks": stats.moved_blocks,
+                "refused": counts["refused"],
+                "gave up": counts["gave up"],
+            },
+        }
+
+
+def run_worker() -> None:
+    """A worker process: one engine at a time, as the parent's JSON lines say (stdin)."""
+    import kvasync.serve  # noqa: F401  (imported before saying ready: torch's start-up)
+
+    _reply(ready=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "quit":
+            return
+        try:
+            if command["op"] == "calibrate":
+                result = asyncio.run(calibrate(command))
+            else:
+                result = asyncio.run(replay(command))
+            Path(command["out"]).write_text(json.dumps(result))
+            _reply(done=True)
+        except Exception as error:  # the parent fails the run with it
+            _reply(error=f"{type(error).__name__}: {error}")
+
+
+# -- the parent: a pool of workers -------------------------------------------------------------
+
+
+class Worker:
+    """One worker process, its replies read by a thread into a queue (read with deadlines)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.started = False  # its first "ready" (imports done) was read
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with contextlib.suppress(json.JSONDecodeError):  # a stray print: not a reply
+                self.replies.put(json.loads(line))
+        self.replies.put(None)
+
+    def send(self, **command: object) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, key: str, timeout: float) -> dict[str, Any]:
+        try:
+            reply = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"worker {self.index}: no {key!r} within {timeout:.0f} s") from None
+        if reply is None:
+            raise RuntimeError(f"worker {self.index} exited ({self.process.wait(5)})")
+        if key not in reply:
+            raise RuntimeError(f"worker {self.index}: {reply.get('error', reply)}")
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.send(op="quit")
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+class LedgerWatch:
+    """Samples the share's ledger in a thread: (t since start, [(name, committed, used,
+    waiters, blocked)])."""
+
+    def __init__(self, share: str, start_wall: float) -> None:
+        self.share = share
+        self.start_wall = start_wall
+        self.samples: list[tuple[float, list[tuple[str, int, int, int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from kvasync import share as ledger
+
+        while not self._stop.wait(SAMPLE_S):
+            try:
+                entries = ledger.snapshot(self.share, timeout=1.0)
+            except Exception:  # the ledger is gone (the run ended) or its lock was busy
+                continue
+            self.samples.append(
+                (
+                    time.time() - self.start_wall,
+                    [
+                        (e.name, e.committed_bytes, e.used_bytes, e.waiters, e.blocked)
+                        for e in entries
+                    ],
+                )
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class GpuBusy:
+    """Samples the GPU's utilization (NVML: the share of time a kernel ran) in a thread, when
+    NVML is there; samples nothing otherwise."""
+
+    def __init__(self, start_wall: float, device: str) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._start = start_wall
+        self._thread: threading.Thread | None = None
+        if device != "cuda":
+            return
+        try:
+            import pynvml  # type: ignore[import-not-found, unused-ignore]
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            return
+
+        def run() -> None:
+            while not self._stop.wait(0.1):
+                busy = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                self.samples.append((time.time() - self._start, float(busy)))
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+@dataclass
+class EngineRun:
+    """One engine's side of a run, parsed from its worker's result."""
+
+    name: str
+    records: list[Any]
+    memory: list[tuple[float, int]]
+    waiting: list[tuple[float, int]]
+    running: list[tuple[float, int]]
+    steps: list[tuple[float, float, int, int]]
+    duration: float
+    extra: dict[str, float]
+    limit_bytes: int | None  # the static split; None when shared
+
+
+@dataclass
+class VariantRun:
+    variant: str
+    engines: list[EngineRun]
+    ledger: list[tuple[float, list[tuple[str, int, int, int, int]]]]
+    gpu_busy: list[tuple[float, float]]
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.workers: list[Worker] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="bench-colocate-many-"))
+        self.runs = 0
+
+    def pool(self, count: int) -> list[Worker]:
+        while len(self.workers) < count:
+            self.workers.append(Worker(len(self.workers)))
+        for worker in self.workers:
+            if not worker.started:
+                worker.expect("ready", READY_TIMEOUT_S)
+                worker.started = True
+        return self.workers[:count]
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+    def base_config(self, max_batch: int, max_batch_tokens: int, **changes: Any) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "preset": self.args.preset,
+            "device": self.args.device,
+            "max_blocks": 1 << 17 if self.args.preset == "small" else 1 << 14,
+            "max_batch": max_batch,
+            "max_batch_tokens": max_batch_tokens,
+            "request_timeout": 600.0,  # the client gives up first (give_up_s)
+        }
+        config.update(changes)
+        return config
+
+    def calibrate(
+        self,
+        regime: Regime,
+        bursts: list[tuple[int, int, int]],
+        stream: list[TraceRequest] | None = None,
+    ) -> dict[str, Any]:
+        (worker, *_) = self.pool(1)
+        out = self.tmp / "calibration.json"
+        config = self.base_config(regime.max_batch, regime.max_batch_tokens, name="calibration")
+        stream_path = None
+        if stream is not None:
+            stream_path = self.tmp / "calibration_stream.json"
+            stream_path.write_text(json.dumps([dataclasses.astuple(r) for r in stream]))
+        worker.send(
+            op="calibrate",
+            config=config,
+            bursts=bursts,
+            stream=None if stream_path is None else str(stream_path),
+            out=str(out),
+        )
+        worker.expect("done", 600)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+
+    def run(
+        self,
+        variant: str,
+        traces: list[list[TraceRequest]],
+        configs: list[dict[str, Any]],
+        share: str | None,
+        give_up_s: float,
+        duration: float,
+    ) -> VariantRun:
+        self.runs += 1
+        workers = self.pool(len(traces))
+        outs = []
+        for index, (worker, trace, config) in enumerate(zip(workers, traces, configs, strict=True)):
+            trace_path = self.tmp / f"trace_{self.runs}_{index}.json"
+            trace_path.write_text(json.dumps([dataclasses.astuple(r) for r in trace]))
+            out = self.tmp / f"run_{self.runs}_{index}.json"
+            outs.append(out)
+            worker.send(
+                op="run",
+                name=f"{variant} e{index}",
+                engine=index,
+                seed=self.args.seed,
+                config=config,
+                trace=str(trace_path),
+                give_up_s=give_up_s,
+                duration=duration,
+                out=str(out),
+            )
+        for worker in workers:
+            worker.expect("ready", READY_TIMEOUT_S)
+        start_at = time.time() + 0.5
+        watch = LedgerWatch(share, start_at) if share is not None else None
+        busy = GpuBusy(start_at, self.args.device)
+        for worker in workers:
+            worker.send(op="go", start_at=start_at)
+        try:
+            for worker in workers:
+                worker.expect("done", duration + give_up_s + 900)
+        finally:
+            if watch is not None:
+                watch.stop()
+            busy.stop()
+        from kvasync.serve import RequestRecord
+
+        engines = []
+        for out, config in zip(outs, configs, strict=True):
+            data = json.loads(out.read_text())
+            engines.append(
+                EngineRun(
+                    name=data["name"],
+                    records=[RequestRecord(**r) for r in data["records"]],
+                    memory=[(float(t), int(b)) for t, b in data["memory"]],
+                    waiting=[(float(t), int(n)) for t, n in data["waiting"]],
+                    running=[(float(t), int(n)) for t, n in data["running"]],
+                    steps=[(float(t), float(d), int(b), int(k)) for t, d, b, k in data["steps"]],
+                    duration=data["duration"],
+                    extra=data["extra"],
+                    limit_bytes=None if share is not None else config.get("memory_limit"),
+                )
+            )
+        return VariantRun(variant, engines, watch.samples if watch else [], busy.samples)
+
+
+# -- analysis ----------------------------------------------------------------------------------
+
+
+def within_slo(record: Any, ttft: float, tpot: float) -> bool:
+    if record.error is not None or record.ttft is None or record.ttft > ttft:
+        return False
+    return record.tpot is None or record.tpot <= tpot
+
+
+def integral(samples: list[tuple[float, int]], weight: Callable[[int, int], float]) -> float:
+    """sum of weight(value, index) x dt over a sampled step function."""
+    total = 0.0
+    for k in range(len(samples) - 1):
+        total += weight(samples[k][1], k) * (samples[k + 1][0] - samples[k][0])
+    return total
+
+
+def queue_seconds(engine: EngineRun, max_batch: int) -> tuple[float, float]:
+    """(request-seconds waiting, request-seconds waiting while the batch had room): the second is
+    the wait for memory (the batch was not full, yet they were not admitted)."""
+    running = engine.running
+    waited = integral(engine.waiting, lambda n, k: float(n))
+
+    def for_memory(n: int, k: int) -> float:
+        # The samplers run in one task, in turn: sample k of each is about the same moment.
+        r = running[min(k, len(running) - 1)][1]
+        return float(n) if r < max_batch else 0.0
+
+    return waited, integral(engine.waiting, for_memory)
+
+
+def reclaim_times(
+    samples: list[tuple[float, list[tuple[str, int, int, int, int]]]], page_bytes: int
+) -> tuple[list[float], int]:
+    """Episodes of "a member is blocked on the share's budget while another holds at least a page
+    it does not use": the seconds until that one's committed bytes dropped. Returns (the times,
+    episodes that ended without a drop: the waiter was served otherwise, or the run ended)."""
+    times: list[float] = []
+    unresolved = 0
+    open_since: dict[str, tuple[float, int]] = {}  # idle member -> (since, committed then)
+    for t, entries in samples:
+        blocked = {name for name, _, _, _, b in entries if b > 0}
+        by_name = {name: (committed, used) for name, committed, used, _, _ in entries}
+        for name, (since, committed_then) in list(open_since.items()):
+            committed = by_name.get(name, (0, 0))[0]
+            if committed < committed_then:
+                times.append(t - since)
+                del open_since[name]
+            elif not blocked:
+                unresolved += 1
+                del open_since[name]
+        if not blocked:
+            continue
+        for name, (committed, used) in by_name.items():
+            if name in blocked or name in open_since:
+                continue
+            if committed - used >= page_bytes:
+                open_since[name] = (t, committed)
+    return times, unresolved + len(open_since)
+
+
+def crest(run: VariantRun) -> tuple[float, float, float]:
+    """The busiest second of the run over all engines (decode tokens produced): (its tokens/s,
+    its steps' median ms, the largest batch in it)."""
+    steps = [s for engine in run.engines for s in engine.steps]
+    if not steps:
+        return 0.0, float("nan"), 0.0
+    end = max(t for t, *_ in steps)
+    best = (0.0, float("nan"), 0.0)
+    for window in np.arange(0.0, end + 1.0, 0.25):
+        inside = [s for s in steps if window <= s[0] < window + 1.0]
+        tokens = float(sum(b for _, _, b, _ in inside))
+        if tokens > best[0]:
+            best = (
+                tokens,
+                1e3 * float(np.median([s for _, s, _, _ in inside])),
+                float(max(b for *_, b, _ in inside)),
+            )
+    return best
+
+
+def summarize_variant(
+    run: VariantRun, regime: Regime, max_batch: int, page_bytes: int, arrivals_s: float
+) -> dict[str, Any]:
+    from kvasync._stats import percentile
+
+    per_engine = []
+    for engine in run.engines:
+        done = [r for r in engine.records if r.error is None]
+        waited, for_memory = queue_seconds(engine, max_batch)
+        memory = [b for _, b in engine.memory] or [0]
+        times = [t for t, _ in engine.memory] or [0.0]
+        span = times[-1] - times[0]
+        per_engine.append(
+            {
+                "requests": len(engine.records) + int(engine.extra.get("refused", 0)),
+                "done": len(done),
+                "within SLO": sum(
+                    within_slo(r, regime.slo_ttft_s, regime.slo_tpot_s) for r in engine.records
+                ),
+                "gave up": int(engine.extra.get("gave up", 0)),
+                "refused": int(engine.extra.get("refused", 0)),
+                "preemptions": sum(r.preemptions for r in engine.records),
+                "moved blocks": int(engine.extra.get("moved blocks", 0)),
+                "queue s": waited,
+                "memory queue s": for_memory,
+                "ttft": [r.ttft for r in done if r.ttft is not None],
+                "tpot": [r.tpot for r in done if r.tpot is not None],
+                "KV peak MiB": max(memory) / MIB,
+                "KV mean MiB": (
+                    float(np.trapezoid(memory, times) / span) / MIB if span > 0 else 0.0
+                ),
+            }
+        )
+    ttft = [x for e in per_engine for x in e["ttft"]]
+    tpot = [x for e in per_engine for x in e["tpot"]]
+    reclaim, unresolved = reclaim_times(run.ledger, page_bytes)
+    tokens_s, step_ms, crest_batch = crest(run)
+    busy = [b for _, b in run.gpu_busy]
+    total_within = sum(e["within SLO"] for e in per_engine)
+    return {
+        "variant": run.variant,
+        "engines": [{k: v for k, v in e.items() if k not in ("ttft", "tpot")} for e in per_engine],
+        "within SLO": total_within,
+        "requests": sum(e["requests"] for e in per_engine),
+        "done": sum(e["done"] for e in per_engine),
+        "gave up": sum(e["gave up"] for e in per_engine),
+        "preemptions": sum(e["preemptions"] for e in per_engine),
+        "queue s": sum(e["queue s"] for e in per_engine),
+        "memory queue s": sum(e["memory queue s"] for e in per_engine),
+        "goodput": total_within / arrivals_s,
+        "TTFT p50 s": percentile(ttft, 50) if ttft else float("nan"),
+        "TTFT p99 s": percentile(ttft, 99) if ttft else float("nan"),
+        "TPOT p50 ms": 1e3 * percentile(tpot, 50) if tpot else float("nan"),
+        "KV mean MiB": sum(e["KV mean MiB"] for e in per_engine),
+        "crest tok/s": tokens_s,
+        "crest step ms": step_ms,
+        "crest batch": crest_batch,
+        "GPU busy max %": max(busy) if busy else float("nan"),
+        "reclaim p50 ms": 1e3 * percentile(reclaim, 50) if reclaim else float("nan"),
+        "reclaim max ms": 1e3 * max(reclaim) if reclaim else float("nan"),
+        "reclaims": len(reclaim),
+        "reclaims unresolved": unresolved,
+        "splits MiB": [None if e.limit_bytes is None else e.limit_bytes / MIB for e in run.engines],
+    }
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    if value != value:  # NaN
+        return "-"
+    if value == int(value) and abs(value) >= 1:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> str:
+    columns = [
+        "variant",
+        "within SLO",
+        "per engine",
+        "x static 1/N",
+        "goodput req/s",
+        "done / requests",
+        "gave up",
+        "preempt.",
+        "queued s (for memory)",
+        "TTFT p50 / p99 s",
+        "TPOT p50 ms",
+        "KV mean MiB",
+        "crest step ms (batch)",
+        "reclaim p50 / max ms (n)",
+        "split MiB",
+    ]
+    rows = []
+    for s in summaries:
+        ratio = s["within SLO"] / baseline["within SLO"] if baseline["within SLO"] else math.inf
+        splits = s["splits MiB"]
+        rows.append(
+            [
+                s["variant"],
+                f"**{s['within SLO']}**",
+                " / ".join(str(e["within SLO"]) for e in s["engines"]),
+                f"{ratio:.2f}",
+                fmt(s["goodput"]),
+                f"{s['done']} / {s['requests']}",
+                str(s["gave up"]),
+                str(s["preemptions"]),
+                f"{s['queue s']:.0f} ({s['memory queue s']:.0f})",
+                f"{fmt(s['TTFT p50 s'])} / {fmt(s['TTFT p99 s'])}",
+                fmt(s["TPOT p50 ms"]),
+                f"{s['KV mean MiB']:.0f}",
+                f"{fmt(s['crest step ms'])} ({s['crest batch']:.0f})",
+                (
+                    f"{fmt(s['reclaim p50 ms'])} / {fmt(s['reclaim max ms'])} ({s['reclaims']})"
+                    if s["reclaims"] or s["reclaims unresolved"]
+                    else "-"
+                ),
+                "shared" if splits[0] is None else " / ".join(f"{m:.4g}" for m in splits),
+            ]
+        )
+    return markdown(columns, rows)
+
+
+# -- the plot ----------------------------------------------------------------------------------
+
+
+def plot_case(
+    runs: list[VariantRun],
+    path: Path,
+    title: str,
+    budget: int,
+    slo_ttft: float,
+    phases: list[tuple[float, int]] | None,
+) -> Path:
+    """One row per variant: KV memory held per engine (left, with the budget), TTFT per request
+    per engine (right, with the SLO)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(runs), 2, figsize=(14, 2.8 * len(runs)), sharex=True, squeeze=False
+    )
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, run in zip(axes, runs, strict=True):
+        memory_ax, ttft_ax = row
+        for index, engine in enumerate(run.engines):
+            color = colors[index % len(colors)]
+            label = engine.name.rsplit(" ", 1)[-1]
+            memory_ax.step(
+                [t for t, _ in engine.memory],
+                [b / MIB for _, b in engine.memory],
+                where="post",
+                color=color,
+                label=label,
+            )
+            if engine.limit_bytes is not None:
+                memory_ax.axhline(engine.limit_bytes / MIB, color=color, ls=":", lw=0.8)
+            done = [r for r in engine.records if r.ttft is not None]
+            ttft_ax.plot(
+                [r.first_token for r in done],
+                [r.ttft for r in done],
+                ".",
+                ms=3,
+                color=color,
+                label=label,
+            )
+            missed = [r for r in engine.records if r.first_token is None]
+            ttft_ax.plot(
+                [r.arrival for r in missed],
+                [slo_ttft * 3.2] * len(missed),
+                "x",
+                ms=3,
+                color=color,
+            )
+        memory_ax.axhline(budget / MIB, color="k", ls="--", lw=0.8, label="budget")
+        if phases:
+            for start, hot in phases:
+                memory_ax.axvline(start, color="grey", lw=0.6)
+                memory_ax.annotate(
+                    f"e{hot} hot", (start, budget / MIB), fontsize="x-small", va="bottom"
+                )
+        ttft_ax.axhline(slo_ttft, color="k", ls="--", lw=0.8)
+        ttft_ax.set_yscale("log")
+        memory_ax.set_ylabel(f"{run.variant}\nKV mapped (MiB)")
+        ttft_ax.set_ylabel("TTFT s (x: no token)")
+        memory_ax.grid(alpha=0.3)
+        ttft_ax.grid(alpha=0.3)
+        memory_ax.legend(loc="upper right", fontsize="x-small", ncol=5)
+    axes[-1][0].set_xlabel("seconds since start")
+    axes[-1][1].set_xlabel("seconds since start (at the first token; x at arrival)")
+    axes[0][0].set_title(title, loc="left", fontsize="medium")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# -- the cases ---------------------------------------------------------------------------------
+
+
+def split_pages(weights: Sequence[float], total: int, floor: int) -> list[int]:
+    """Pages per engine proportional to ``weights``, each at least ``floor``, summing to at most
+    ``total`` (the remainder to the heaviest)."""
+    n = len(weights)
+    spare = total - floor * n
+    share = [w / sum(weights) for w in weights]
+    pages = [floor + int(spare * s) for s in share]
+    order = sorted(range(n), key=lambda i: -share[i])
+    k = 0
+    while sum(pages) < total:
+        pages[order[k % n]] += 1
+        k += 1
+    return pages
+
+
+class Case:
+    """One case (memory or compute) at one N: its traces, its variants, its tables."""
+
+    def __init__(
+        self,
+        harness: Harness,
+        name: str,
+        engines: int,
+        traces: list[list[TraceRequest]],
+        regime: Regime,
+        budget: int,
+        geo: Geometry,
+        duration: float,
+        phases: list[tuple[float, int]] | None,
+    ) -> None:
+        self.harness = harness
+        self.name = name
+        self.n = engines
+        self.traces = traces
+        self.regime = regime
+        self.budget = budget
+        self.geo = geo
+        self.duration = duration
+        self.phases = phases
+        self.runs: list[VariantRun] = []
+        self.summaries: list[dict[str, Any]] = []
+        self.give_up_s = regime.give_up_factor * regime.slo_ttft_s
+        self.total_pages = budget // geo.page_bytes
+        longest = max(r.prompt_tokens + r.max_tokens for t in traces for r in t)
+        # A static partition holds at least the longest request (else it refuses it).
+        self.floor_pages = -(-longest // geo.tokens_per_page) + 1
+
+    def config(self, index: int, **changes: Any) -> dict[str, Any]:
+        return self.harness.base_config(
+            self.regime.max_batch, self.regime.max_batch_tokens, name=f"e{index}", **changes
+        )
+
+    def run_static(self, label: str, pages: list[int]) -> dict[str, Any]:
+        configs = [
+            self.config(i, memory_limit=p * self.geo.page_bytes, static=True)
+            for i, p in enumerate(pages)
+        ]
+        return self._run(label, configs, None)
+
+    def run_shared(self) -> dict[str, Any]:
+        share = f"bench-many-{os.getpid()}-{self.harness.runs + 1}"
+        configs = [
+            self.config(i, memory_limit=None, share=share, device_budget=self.budget)
+            for i in range(self.n)
+        ]
+        return self._run("shared", configs, share)
+
+    def _run(self, label: str, configs: list[dict[str, Any]], share: str | None) -> dict[str, Any]:
+        began = time.monotonic()
+        run = self.harness.run(label, self.traces, configs, share, self.give_up_s, self.duration)
+        self.runs.append(run)
+        summary = summarize_variant(
+            run, self.regime, self.regime.max_batch, self.geo.page_bytes, self.duration
+        )
+        self.summaries.append(summary)
+        print(
+            f"  {self.name} N={self.n} {label}: {summary['within SLO']} within SLO of "
+            f"{summary['requests']} ({time.monotonic() - began:.0f} s)",
+            flush=True,
+        )
+        return summary
+
+    def best_static_candidates(
+        self, lifetime: Callable[[TraceRequest], float], order: list[str]
+    ) -> list[tuple[str, list[int]]]:
+        demand = [
+            demand_series(t, lifetime, self.geo.token_bytes, self.duration) for t in self.traces
+        ]
+        weights = {
+            "peak demand": [float(d.max()) for d in demand],
+            "mean demand": [float(d.mean()) for d in demand],
+        }
+        shared = next((r for r in self.runs if r.variant == "shared"), None)
+        if shared is not None:
+            weights["shared peaks"] = [float(max(b for _, b in e.memory)) for e in shared.engines]
+        uniform = [self.total_pages // self.n] * self.n
+        seen = [uniform]
+        candidates = []
+        for label in order:
+            w = weights.get(label)
+            if w is None:
+                continue
+            if min(w) <= 0:
+                w = [max(x, 1.0) for x in w]
+            pages = split_pages(w, self.total_pages, self.floor_pages)
+            if pages in seen:
+                continue
+            seen.append(pages)
+            candidates.append((f"static by {label}", pages))
+        return candidates
+
+
+def goal_rows(memory4: Case | None, compute: Case | None) -> list[list[str]]:
+    rows = []
+
+    def get(case: Case, variant: str) -> dict[str, Any] | None:
+        return next((s for s in case.summaries if s["variant"] == variant), None)
+
+    if memory4 is not None:
+        shared = get(memory4, "shared")
+        static = get(memory4, "static 1/N")
+        statics = [
+            s for s in memory4.summaries if s["variant"].startswith("static") and s is not None
+        ]
+        if shared and static:
+            ratio = shared["within SLO"] / max(1, static["within SLO"])
+            rows.append(
+                [
+                    f"shared >= 2x static 1/N, memory-bound, N={memory4.n}",
+                    str(shared["within SLO"]),
+                    f"{static['within SLO']} (static 1/N)",
+                    f"{ratio:.2f}x",
+                    "met" if ratio >= 2.0 else "not met",
+                ]
+            )
+            best = max(statics, key=lambda s: s["within SLO"])
+            ratio = shared["within SLO"] / max(1, best["within SLO"])
+            rows.append(
+                [
+                    f"shared within 10% of the best static, N={memory4.n}",
+                    str(shared["within SLO"]),
+                    f"{best['within SLO']} ({best['variant']})",
+                    f"{ratio:.2f}x",
+                    "met" if ratio >= 0.9 else "not met",
+                ]
+            )
+    if compute is not None:
+        shared = get(compute, "shared")
+        static = get(compute, "static 1/N")
+        if shared and static:
+            ratio = shared["within SLO"] / max(1, static["within SLO"])
+            rows.append(
+                [
+                    f"shared >= 97% of static, compute-bound, N={compute.n}",
+                    str(shared["within SLO"]),
+                    f"{static['within SLO']} (static 1/N)",
+                    f"{ratio:.2f}x",
+                    "met" if ratio >= 0.97 else "not met",
+                ]
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="tiny", choices=sorted(REGIMES))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--engines", type=int, nargs="+", default=[4, 2], help="N, in order")
+    parser.add_argument("--cases", nargs="+", default=["memory", "compute"])
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
+    parser.add_argument("--compute-duration", type=float, default=None)
+    parser.add_argument("--budget-mib", type=int, default=None, help="KV budget, all engines")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--calibration-s", type=float, default=8.0, help="seconds of the calibration stream"
+    )
+    parser.add_argument(
+        "--best-static",
+        nargs="*",
+        default=["shared peaks", "peak demand", "mean demand"],
+        help="the hindsight splits to run, in order (none: skip)",
+    )
+    parser.add_argument("--engine-kind", default="kvasync", choices=["kvasync", "vllm"])
+    parser.add_argument("--out", default="bench/colocate_many")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker()
+        return
+    if args.engine_kind == "vllm":
+        # NOTE: the hook for issue 19: each worker would start a vLLM engine with kvasync's
+        # plugin (kvasync.integrations.vllm) instead of kvasync.serve.Engine, on the same traces.
+        raise SystemExit(
+            "--engine-kind vllm is not wired: vLLM engines come with issue 19's plugin "
+            "(kvasync.integrations.vllm); this harness runs kvasync.serve engines only"
+        )
+    regime = REGIMES[args.preset]
+    budget_mib = args.budget_mib or regime.budget_mib
+    geo = geometry(args.preset, args.device)
+    budget = (budget_mib * MIB // geo.page_bytes) * geo.page_bytes
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    harness = Harness(args)
+    report: list[str] = []
+    summary_json: dict[str, Any] = {"args": vars(args), "cases": {}}
+
+    def emit(text: str) -> None:
+        print(text, flush=True)
+        report.append(text)
+        (out / f"results_{args.preset}.md").write_text("\n".join(report) + "\n")
+
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    emit(
+        f"preset {args.preset}, device {args.device}, {started}; KV budget {budget / MIB:.0f} "
+        f"MiB ({budget // geo.page_bytes} page ids of {geo.page_bytes / MIB:.3g} MiB, "
+        f"{geo.tokens_per_page} tokens each); SLO TTFT <= {regime.slo_ttft_s} s, TPOT <= "
+        f"{1e3 * regime.slo_tpot_s:.0f} ms; a client gives up after "
+        f"{regime.give_up_factor * regime.slo_ttft_s:.0f} s without a token\n"
+    )
+    try:
+        # 1. Calibration, before any trace exists: decode step time alone at full batch and at
+        # the batch the hot engine's working set needs.
+        rng = np.random.default_rng([args.seed, 1000])
+        lengths = [_lengths(rng, regime) for _ in range(20000)]
+        mean_prompt = float(np.mean([p for p, _ in lengths]))
+        mean_output = float(np.mean([o for _, o in lengths]))
+        held_tokens = mean_prompt + mean_output / 2  # a request's mean KV over its life
+        hot_batch = max(1, round(regime.hot_fill * budget / (held_tokens * geo.token_bytes)))
+        hot_batch = min(hot_batch, regime.max_batch)
+        harness.pool(max([*args.engines, 2]))  # every worker imports torch meanwhile
+        calibration = harness.calibrate(
+            regime,
+            [(regime.max_batch, int(mean_prompt), 40), (hot_batch, int(mean_prompt), 40)],
+        )["bursts"]
+        step_full, step_hot = calibration[0]["step_s"], calibration[1]["step_s"]
+        capacity = regime.max_batch / step_full  # decode tokens/s of one engine at full batch
+        prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
+        # Little's law: the rate that keeps hot_batch requests in flight for their lifetime...
+        rate0 = hot_batch / (step_hot * (prefill_steps + mean_output))
+        # ... checked by replaying it for a while on one engine alone, and scaled by the KV it
+        # held once steady against the target (the estimate leaves out prefill and admission).
+        stream = memory_bound_traces(
+            dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
+            1,
+            args.calibration_s,
+            rate0,
+            args.seed + 2000,
+        )[0]
+        measured = harness.calibrate(regime, [], stream)["stream"]
+        held0 = measured["mean_used_blocks"] * geo.block_size * geo.token_bytes
+        target = regime.hot_fill * budget
+        # NOTE: the scale is kept within [1/4, 2]: far outside it the engine was not in the
+        # regime the estimate assumes (saturated, or nearly idle), and held KV is not linear.
+        scale = min(2.0, max(0.25, target / held0)) if held0 > 0 else 1.0
+        hot_rate = rate0 * scale
+        mean_life = float(measured["mean_lifetime_s"])
+
+        def lifetime(r: TraceRequest) -> float:
+            return mean_life * (prefill_steps + r.max_tokens) / (prefill_steps + mean_output)
+
+        emit(
+            f"**Calibration** (one engine alone): decode step {1e3 * step_full:.1f} ms at full "
+            f"batch ({regime.max_batch}, {capacity:.0f} tok/s), {1e3 * step_hot:.1f} ms at "
+            f"batch {hot_batch} (prompts of {mean_prompt:.0f} tokens).\n\n"
+            f"**Memory-bound trace, from first principles**: a request holds {held_tokens:.0f} "
+            f"tokens ({held_tokens * geo.token_bytes / MIB:.1f} MiB) on average; the hot "
+            f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
+            f"({target / MIB:.0f} MiB, {hot_batch} requests), more than a 1/N partition. "
+            f"Little's law with the step time at that batch: {rate0:.2f} req/s. Replayed for "
+            f"{args.calibration_s:.0f} s on one engine alone, that rate held "
+            f"{held0 / MIB:.0f} MiB once steady (requests lived {mean_life:.2f} s), so the hot "
+            f"rate is {rate0:.2f} x {scale:.3g} (target / held, within [1/4, 2]) = {hot_rate:.2f} "
+            f"req/s; cold engines get {regime.cold_weight:.0%} of it; bursts x"
+            f"{regime.burst_factor} for {regime.burst_s} s, {regime.bursts_per_min:g}/min per "
+            f"engine.\n"
+        )
+        summary_json["calibration"] = {
+            "bursts": calibration,
+            "hot_batch": hot_batch,
+            "rate0": rate0,
+            "stream": measured,
+            "hot_rate": hot_rate,
+        }
+        memory4: Case | None = None
+        compute: Case | None = None
+        plan: list[tuple[str, int]] = []
+        for n in args.engines:
+            if "memory" in args.cases:
+                plan.append(("memory", n))
+            if "compute" in args.cases and n == 2:
+                plan.append(("compute", 2))
+        if "compute" in args.cases and 2 not in args.engines:
+            plan.append(("compute", 2))
+        for case_name, n in plan:
+            if case_name == "memory":
+                traces = memory_bound_traces(regime, n, args.duration, hot_rate, args.seed)
+                phases: list[tuple[float, int]] | None = hot_schedule(n, args.duration)
+                case = Case(
+                    harness, "memory", n, traces, regime, budget, geo, args.duration, phases
+                )
+            else:
+                from bench_serving import WORKLOADS
+
+                workload = WORKLOADS[args.preset]
+                duration = args.compute_duration or args.duration
+                compute_regime = dataclasses.replace(
+                    regime,
+                    slo_ttft_s=workload.slo_ttft_s,
+                    slo_tpot_s=workload.slo_tpot_s,
+                    max_batch=workload.max_batch,
+                )
+                compute_budget = (workload.kv_mib * MIB // geo.page_bytes) * geo.page_bytes
+                traces = compute_bound_traces(args.preset, duration, args.seed)
+                phases = None
+                case = Case(
+                    harness,
+                    "compute",
+                    2,
+                    traces,
+                    compute_regime,
+                    compute_budget,
+                    geo,
+                    duration,
+                    None,
+                )
+            requests = [len(t) for t in traces]
+            emit(
+                f"### {case_name}-bound, {n} engines\n\n{sum(requests)} requests "
+                f"({' / '.join(map(str, requests))} per engine) over {case.duration:.0f} s"
+                + (
+                    "; hot: " + ", ".join(f"e{e} from {s:.1f} s" for s, e in phases)
+                    if phases
+                    else ""
+                )
+                + f"; budget {case.budget / MIB:.0f} MiB.\n"
+            )
+            uniform = [case.total_pages // n] * n
+            case.run_static("static 1/N", uniform)
+            case.run_shared()
+            if case_name == "memory":
+                for label, pages in case.best_static_candidates(lifetime, args.best_static):
+                    case.run_static(label, pages)
+            baseline = case.summaries[0]
+            emit(variant_table(case.summaries, baseline) + "\n")
+            static = case.summaries[0]
+            hot_queue = max(e["memory queue s"] for e in static["engines"])
+            shared_summary = case.summaries[1]
+            emit(
+                f"Regime: at the crest (busiest second, all engines) the shared run produced "
+                f"{shared_summary['crest tok/s']:.0f} decode tok/s with steps of "
+                f"{fmt(shared_summary['crest step ms'])} ms (largest batch "
+                f"{shared_summary['crest batch']:.0f}); one engine alone at full batch: "
+                f"{capacity:.0f} tok/s, {1e3 * step_full:.1f} ms "
+                f"({shared_summary['crest tok/s'] / capacity:.0%} of it). GPU busy (NVML) max "
+                f"{fmt(shared_summary['GPU busy max %'])}% shared, "
+                f"{fmt(static['GPU busy max %'])}% static. Static 1/N: {static['preemptions']} "
+                f"preemptions, {static['memory queue s']:.0f} request-seconds queued for memory "
+                f"(the worst engine {hot_queue:.0f}), {static['gave up']} clients gave up.\n"
+            )
+            plot = plot_case(
+                case.runs,
+                out / f"colocate_many_{args.preset}_{case_name}_N{n}.png",
+                f"{case_name}-bound, {n} engines, {args.preset}, {args.device}",
+                case.budget,
+                case.regime.slo_ttft_s,
+                phases,
+            )
+            emit(f"plot: `{plot}`\n")
+            summary_json["cases"][f"{case_name} N={n}"] = case.summaries
+            (out / "summary.json").write_text(json.dumps(summary_json, indent=1, default=str))
+            if case_name == "memory" and (memory4 is None or n > memory4.n):
+                memory4 = case
+            if case_name == "compute":
+                compute = case
+        rows = goal_rows(memory4, compute)
+        if rows:
+            emit(
+                "**Goals** (issue 16, part 3)\n\n"
+                + markdown(["goal", "shared", "baseline", "ratio", "result"], rows)
+                + "\n"
+            )
+    finally:
+        harness.close()
+
+
+if __name__ == "__main__":
+    main()
