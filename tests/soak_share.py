@@ -24,7 +24,7 @@ members' own reclaiming. At the end every member is stopped: it frees what it ho
 and reports its figures.
 
 The raw reads (the mutex word, ``repairs``, the entries' pid and state) follow the layout of
-csrc/ledger/ledger.h, version 2; the soak checks it against the parent's own entry first, and
+csrc/ledger/ledger.h, version 3; the soak checks it against the parent's own entry first, and
 where it does not match it says so, kills at random times only and measures clearing with
 snapshots.
 
@@ -84,9 +84,9 @@ HANG_S = 2.0  # an alloc that returns this long after its deadline is a hang, no
 PROGRESS_EVERY_S = 1.0
 FD_GROWTH = 8  # the forkserver's socket and the resource tracker's pipe stay open
 
-# Layout of csrc/ledger/ledger.h, version 2 (checked at start against the parent's entry).
+# Layout of csrc/ledger/ledger.h, version 3 (checked at start against the parent's entry).
 LEDGER_MAGIC = 0x31524744454C4B56
-LEDGER_VERSION = 2
+LEDGER_VERSION = 3
 HEADER_BYTES = 192
 ENTRY_BYTES = 320
 MUTEX_OFFSET = 64  # glibc's pthread_mutex_t starts with its futex word: the owner's thread id

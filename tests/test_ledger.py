@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from conftest import wait_until
 
 import kvasync
-from kvasync import ledger
+from kvasync import _core, ledger
 from kvasync.cli import main as cli
 from kvasync.share._cli import format_bytes, parse_size
 
@@ -508,13 +508,16 @@ async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_i
         held = sorted(await first.alloc(8 * BLOCKS_PER_PAGE))
         first.free(held[::2])  # half of every page
         kept = held[1::2]
-        # The budget is taken, yet `second` can count on its fair share (first gives it back).
+        # The budget is taken, yet `second` can count on budget / members (first gives it back).
         assert second.available_blocks() == 4 * BLOCKS_PER_PAGE
         waiting = asyncio.ensure_future(second.alloc(2 * BLOCKS_PER_PAGE, timeout=5.0))
         await wait_until(lambda: first.drain_from() is not None)
         drain = first.drain_from()
-        assert drain == held[4 * BLOCKS_PER_PAGE]  # the four highest pages are over the share
-        assert first.available_blocks() == 4 * BLOCKS_PER_PAGE // 2  # free halves below it
+        # Demands: first 4 pages (its blocks in use), second 2 (its waiter): the slack of 2 is
+        # split evenly, so first's fair share is 5 pages and the three highest drain.
+        assert _core.share_fair_shares([4 * PAGE, 2 * PAGE], 8 * PAGE) == [5 * PAGE, 3 * PAGE]
+        assert drain == held[5 * BLOCKS_PER_PAGE]
+        assert first.available_blocks() == 5 * BLOCKS_PER_PAGE // 2  # free halves below it
         # What a scheduler does with drain_from(): free the blocks at and above it.
         first.free([b for b in kept if b >= drain])
         assert len(await waiting) == 2 * BLOCKS_PER_PAGE

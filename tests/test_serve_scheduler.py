@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import itertools
-from dataclasses import dataclass, field
+import os
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,10 @@ class Blocks:
     capacity: int = 1 << 20
     drain: int | None = None
     next_id: itertools.count[int] = field(default_factory=lambda: itertools.count(0))
+    demand: int | None = None  # the last demand the scheduler reported
+
+    def set_demand(self, blocks: int) -> None:
+        self.demand = blocks
 
     def available_blocks(self) -> int:
         return self.available
@@ -279,6 +285,81 @@ async def test_over_a_real_allocator_a_drain_keeps_free_blocks_from_admission() 
         plan = harness.scheduler.plan_vacate(32)
         assert plan.holders == [running] and plan.count == 2
         kv.free(kept)
+
+
+def test_admission_reports_the_demand_of_the_running_and_the_waiting_that_fit_the_batch() -> None:
+    view = Blocks(available=4)
+    harness = Harness(view, max_batch=2)
+    running = harness.submit(16)  # 1 block
+    assert harness.admit_all() == [running]
+    harness.decode(running)  # 17 tokens: 2 blocks for its next step
+    view.available = 0
+    harness.submit(40)  # 3 blocks, fits the batch
+    harness.submit(100)  # 7 blocks, beyond max_batch: not wanted now
+    assert harness.scheduler.next_admission(now=1.0) is None
+    assert view.demand == 2 + 3
+
+
+async def test_admission_in_a_real_share_counts_only_the_headroom_the_other_member_leaves() -> None:
+    # Two host allocators of one share: `other` holds 3 of the 4 pages of the budget. The engine
+    # (one request running on the 4th page) may count on its fair share (2 pages, Note [Fair
+    # share under pressure]) but no more, though the other holds pages it does not use.
+    from conftest import wait_until
+
+    from kvasync import _core, ledger
+
+    layout = kvasync.KVLayout(
+        num_layers=1, num_kv_heads=1, head_dim=16, block_size=BLOCK, dtype=torch.float32
+    )
+    page = 16 << 10  # 16 blocks of 1 KiB in each of 2 ranges
+    page_bytes = 2 * page
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    config = kvasync.Config(
+        backend="host",
+        max_blocks=256,
+        page_size=page,
+        reserve_pages=(0, 0),
+        share=share,
+        device_budget=4 * page_bytes,
+    )
+    try:
+        async with (
+            kvasync.open_allocator(layout, replace(config, name="engine")) as engine_kv,
+            kvasync.open_allocator(layout, replace(config, name="other")) as other,
+        ):
+            hogged = await other.alloc(48, timeout=5)  # pages 0-2 of `other`
+            view = AllocatorView(
+                engine_kv,
+                EngineConfig(device="cpu", share=share, device_budget=4 * page_bytes),
+            )
+            harness = Harness(view)
+            running = Request(0, [65] * BLOCK, 8, 0.0, 1e9, blocks=await engine_kv.alloc(16))
+            harness.scheduler.running.append(running)
+            waiting = harness.submit(BLOCK * 32)  # 32 blocks: more than 1 page of fair share left
+            assert harness.scheduler.next_admission(now=0.0) is None
+            assert harness.scheduler.paused and list(harness.scheduler.waiting) == [waiting]
+            # Its demand is in the ledger: 16 blocks running + 32 waiting = 3 pages.
+            await wait_until(
+                lambda: any(
+                    e["name"] == "engine" and e["demand_bytes"] == 3 * page_bytes
+                    for e in _core.ledger_snapshot(ledger.path(share), 1.0)
+                )
+            )
+            assert view.available_blocks() == 16
+            # `other` lets go of 2 pages: the engine's headroom covers the waiting request.
+            other.free(hogged[16:])
+            await wait_until(lambda: view.available_blocks() >= 32)
+            admission = harness.scheduler.next_admission(now=1.0)  # past the patience
+            assert admission is not None and admission.request is waiting
+            blocks = await engine_kv.alloc(admission.need, timeout=5)
+            assert harness.scheduler.admitted(waiting, blocks)
+            committed = sum(e.committed_bytes for e in ledger.snapshot(share))
+            assert committed <= 4 * page_bytes
+            engine_kv.free(blocks + running.blocks)
+            other.free(hogged[:16])
+    finally:
+        if os.path.exists(ledger.path(share)):
+            os.unlink(ledger.path(share))
 
 
 def test_the_scheduler_imports_no_model_no_torch_and_no_event_loop() -> None:

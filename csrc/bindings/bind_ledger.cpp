@@ -37,6 +37,7 @@ py::dict entry_dict(const EntryView& v) {
   d["waiters"] = v.waiters;
   d["blocked"] = v.blocked;
   d["requested_limit"] = v.requested_limit;
+  d["demand_bytes"] = v.demand_bytes;
   d["op"] = lenient_text(v.op);
   d["op_age_s"] = v.op_age_s;
   d["pid_namespace"] = v.pid_ns;
@@ -90,6 +91,9 @@ void bind_ledger(py::module_& m) {
           return Ledger::open(path, false, LedgerAccess{group})->prune(timeout_s);
         },
         py::arg("path"), py::arg("timeout_s"), py::arg("group") = -1);
+
+  // Note [Fair share under pressure]: the water-filling the members apply, for tests and tools.
+  m.def("share_fair_shares", &share_fair_shares, py::arg("demands"), py::arg("budget"));
 
   m.def("ledger_hold_lock_for_test",
         [](const std::string& path, double seconds, int64_t group) {

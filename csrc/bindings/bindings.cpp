@@ -211,6 +211,8 @@ PYBIND11_MODULE(_core, m) {
            },
            py::arg("n"), py::arg("map_on_miss") = true)
       .def("available_blocks", [](PoolHandle& pool) { return pool->available_blocks(); })
+      .def("set_demand", [](PoolHandle& pool, int64_t blocks) { pool->set_demand(blocks); },
+           py::arg("blocks"))
       .def("drain_from_block", [](PoolHandle& pool) { return pool->drain_from_block(); })
       .def("take_map_seconds", [](PoolHandle& pool) { return pool->take_map_seconds(); })
       .def("free",

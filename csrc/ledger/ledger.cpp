@@ -307,7 +307,96 @@ std::map<std::string, std::weak_ptr<Ledger>>& open_ledgers() {
   return *ledgers;
 }
 
+// Note [Fair share under pressure]: water-filling of `budget` over `n` demands (>= 0). Arrays
+// of at most kLedgerEntries: no allocation (grant() runs under the pool's mutex, noexcept).
+void water_fill(const int64_t* demand, int n, int64_t budget, int64_t* fair) {
+  if (n <= 0) return;
+  int64_t sum = 0;
+  for (int i = 0; i < n; ++i) sum += demand[i];
+  if (sum <= budget) {
+    const int64_t slack = (budget - sum) / n;  // split evenly: nobody is held below its demand
+    for (int i = 0; i < n; ++i) fair[i] = demand[i] + slack;
+    return;
+  }
+  // Ascending demand: the smallest are served whole while they fit under the level.
+  int order[kLedgerEntries];
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::sort(order, order + n, [&](int a, int b) { return demand[a] < demand[b]; });
+  int64_t remaining = budget;
+  for (int k = 0; k < n; ++k) {
+    const int left = n - k;
+    const int64_t level = remaining / left;
+    if (demand[order[k]] <= level) {
+      fair[order[k]] = demand[order[k]];
+      remaining -= demand[order[k]];
+      continue;
+    }
+    // Every demand from here on is above the level (sum > budget guarantees we get here).
+    for (int rest = k; rest < n; ++rest) fair[order[rest]] = level;
+    return;
+  }
+}
+
+// One reading of every live entry (atomics, with or without the lock).
+struct ShareReading {
+  int n = 0;
+  int self = -1;  // this member's index, -1 when it has no live entry
+  int64_t budget = INT64_MAX;
+  int64_t committed = 0;
+  int64_t unmet_total = 0;
+  int64_t committed_of[kLedgerEntries];
+  int64_t demand_of[kLedgerEntries];
+  int64_t page_of[kLedgerEntries];
+  int64_t fair_of[kLedgerEntries];
+  int64_t unmet_of[kLedgerEntries];
+  bool blocked_of[kLedgerEntries];
+
+  bool has_budget() const { return budget != INT64_MAX && n > 0; }
+  bool other_blocked() const {
+    for (int i = 0; i < n; ++i) {
+      if (i != self && blocked_of[i]) return true;
+    }
+    return false;
+  }
+  int64_t others_unmet() const { return unmet_total - (self >= 0 ? unmet_of[self] : 0); }
+};
+
+void read_share(const LedgerFile& file, const LedgerEntry* self, ShareReading& r) {
+  for (const LedgerEntry& e : file.entries) {
+    if (e.state.load() != 1) continue;
+    const int i = r.n++;
+    if (&e == self) r.self = i;
+    r.committed_of[i] = e.committed_bytes.load();
+    r.demand_of[i] = std::max<int64_t>(0, e.demand_bytes.load());
+    r.page_of[i] = std::max<int64_t>(1, e.page_bytes.load());
+    r.blocked_of[i] = e.blocked.load() > 0;
+    r.committed += r.committed_of[i];
+    const int64_t own = e.budget_bytes.load();
+    if (own > 0) r.budget = std::min(r.budget, own);
+  }
+  if (!r.has_budget()) return;
+  water_fill(r.demand_of, r.n, r.budget, r.fair_of);
+  for (int i = 0; i < r.n; ++i) {
+    r.fair_of[i] = r.fair_of[i] / r.page_of[i] * r.page_of[i];  // whole pages of its member
+    const int64_t entitled = std::min(r.demand_of[i], r.fair_of[i]);
+    r.unmet_of[i] = std::max<int64_t>(0, entitled - r.committed_of[i]);
+    r.unmet_total += r.unmet_of[i];
+  }
+}
+
 }  // namespace
+
+std::vector<int64_t> share_fair_shares(const std::vector<int64_t>& demands, int64_t budget) {
+  if (demands.size() > static_cast<size_t>(kLedgerEntries)) {
+    throw std::invalid_argument("a share has at most " + std::to_string(kLedgerEntries) +
+                                " members, got " + std::to_string(demands.size()) + " demands");
+  }
+  if (budget < 0) throw std::invalid_argument("budget must not be negative");
+  std::vector<int64_t> clamped(demands.size()), fair(demands.size());
+  for (size_t i = 0; i < demands.size(); ++i) clamped[i] = std::max<int64_t>(0, demands[i]);
+  water_fill(clamped.data(), static_cast<int>(clamped.size()), budget, fair.data());
+  return fair;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Ledger
@@ -420,7 +509,31 @@ std::string Ledger::lock_failure(double timeout_s) const {
     return "the ledger lock of " + path_ + " is unusable (" + strerror(error) +
            "): stop the processes using it and remove the file";
   }
-  return "the ledger lock of " + path_ + " stayed taken for " + std::to_string(timeout_s) + " s";
+  const int32_t holder = holder_pid();
+  std::ostringstream seconds;
+  seconds << timeout_s;
+  return "the ledger lock of " + path_ + " stayed taken for " + seconds.str() + " s" +
+         (holder > 0 ? " by pid " + std::to_string(holder) +
+                           " (is that process stopped or stuck?)"
+                     : std::string(" (its holder is unknown)"));
+}
+
+int32_t Ledger::holder_pid() const {
+  // A robust mutex records its owner's thread id (glibc: __data.__owner, which the kernel also
+  // reads for robust futexes); the process is that thread's thread group.
+  const int tid = __atomic_load_n(&file_->header.mutex.__data.__owner, __ATOMIC_RELAXED);
+  if (tid == 0) return 0;
+  if (tid < 0) return -1;
+  try {
+    std::ifstream status("/proc/" + std::to_string(tid) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("Tgid:", 0) == 0) return static_cast<int32_t>(std::atol(line.c_str() + 5));
+    }
+  } catch (...) {
+    // Only a name for a message: the thread id is the pid of a single-threaded holder.
+  }
+  return tid;
 }
 
 void Ledger::unlock() { pthread_mutex_unlock(&file_->header.mutex); }
@@ -447,6 +560,7 @@ int Ledger::reclaim_dead_locked() {
     e.committed_bytes.store(0);
     e.blocked.store(0);
     e.waiters.store(0);
+    e.demand_bytes.store(0);
     e.generation.fetch_add(1, std::memory_order_acq_rel);  // its owner, if alive, lets go of it
     e.state.store(0);
     ++reclaimed;
@@ -510,6 +624,7 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
     v.waiters = e.waiters.load();
     v.blocked = e.blocked.load();
     v.requested_limit = e.requested_limit.load();
+    v.demand_bytes = e.demand_bytes.load();
     v.pid_ns = e.pid_ns.load();
     v.foreign = v.pid_ns != own_ns;
     v.heartbeat_age_s = std::max<int64_t>(0, now - e.heartbeat_ns.load()) / 1e9;
@@ -597,8 +712,9 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
   // The last member to leave removes the file under the lock (Note [Share ledger]): a file found
   // removed once locked is given up for the one now at the path, created anew if need be.
   for (int attempt = 0;; ++attempt) {
-    if (!ledger_->lock(Clock::now() + Ledger::kLockTimeout * 5)) {
-      throw LedgerError("cannot join the share: " + ledger_->lock_failure(1.0));
+    if (!ledger_->lock(Clock::now() + kJoinLockTimeout)) {
+      throw LedgerError("cannot join the share: " +
+                        ledger_->lock_failure(std::chrono::duration<double>(kJoinLockTimeout).count()));
     }
     if (ledger_->still_linked()) break;
     ledger_->unlock();
@@ -641,6 +757,7 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
   e.waiters.store(0);
   e.blocked.store(0);
   e.requested_limit.store(-1);
+  e.demand_bytes.store(0);
   seen_limit_generation_ = e.limit_generation.load();
   e.op_started_ns.store(0);
   copy_text(e.op, sizeof e.op, "");
@@ -690,12 +807,13 @@ void ShareMember::leave() {
   LedgerEntry& e = entry();
   // Without the lock if it stays taken: clearing its own entry is atomic stores, and a slot
   // freed under a lock holder's scan is at worst reclaimed twice.
-  const bool locked = ledger_->lock(Clock::now() + Ledger::kLockTimeout);
+  const bool locked = ledger_->lock(Clock::now() + kLeaveLockTimeout);
   // An entry reclaimed meanwhile (its slot perhaps a newcomer's now) is not this member's to clear.
   if (e.generation.load(std::memory_order_acquire) == generation_) {
     e.committed_bytes.store(0);
     e.blocked.store(0);
     e.waiters.store(0);
+    e.demand_bytes.store(0);
     e.generation.fetch_add(1, std::memory_order_acq_rel);
     e.state.store(0, std::memory_order_release);
   }
@@ -708,30 +826,35 @@ void ShareMember::leave() {
   ledger_->notify();
 }
 
-int64_t ShareMember::grant(int64_t pages, bool refill) noexcept {
-  if (pages <= 0 || !owns_entry()) return 0;  // a forked child, or an entry lost: no charge
-  if (!ledger_->lock(Clock::now() + kGrantLockTimeout)) return 0;  // the watcher retries
+ShareMember::Grant ShareMember::grant(int64_t pages, bool refill,
+                                      Clock::time_point lock_deadline) noexcept {
+  Grant out;
+  if (pages <= 0 || !owns_entry()) return out;  // a forked child, or an entry lost: no charge
+  if (!ledger_->lock(lock_deadline)) {
+    out.lock_busy = true;  // not a shortage of budget: the caller plans again later
+    out.holder_pid = ledger_->holder_pid();
+    return out;
+  }
   ledger_->reclaim_dead_locked();
   if (!owns_entry()) {  // reclaimed just now: its slot is not this member's to charge
     ledger_->unlock();
-    return 0;
+    return out;
   }
-  int64_t total = 0;
-  bool others_blocked = false;
-  for (const LedgerEntry& e : ledger_->file().entries) {
-    if (e.state.load() != 1) continue;
-    total += e.committed_bytes.load();
-    if (&e != &entry() && e.blocked.load() > 0) others_blocked = true;
+  ShareReading r;
+  read_share(ledger_->file(), &entry(), r);
+  if (!r.has_budget()) {
+    out.granted = pages;
+  } else {
+    // Note [Fair share under pressure]: never the budget another member is entitled to and
+    // wants. Signed: a share already past its budget (lowered by a newcomer) has no headroom.
+    int64_t headroom = r.budget - r.committed - r.others_unmet();
+    // A refill is an optimisation: it never takes memory another allocator is waiting for.
+    if (refill && r.other_blocked()) headroom = 0;
+    out.granted = std::clamp<int64_t>(headroom / page_bytes_, 0, pages);
   }
-  // Signed: a share already past its budget (a budget lowered by a newcomer) has no headroom.
-  int64_t headroom = ledger_->budget_locked() == INT64_MAX ? INT64_MAX
-                                                          : ledger_->budget_locked() - total;
-  // A refill is an optimisation: it never takes memory another allocator is waiting for.
-  if (refill && others_blocked) headroom = 0;
-  const int64_t granted = std::clamp<int64_t>(headroom / page_bytes_, 0, pages);
-  entry().committed_bytes.fetch_add(granted * page_bytes_);
+  entry().committed_bytes.fetch_add(out.granted * page_bytes_);
   ledger_->unlock();
-  return granted;
+  return out;
 }
 
 void ShareMember::release(int64_t pages) {
@@ -750,30 +873,37 @@ void ShareMember::set_blocked(int64_t waiters) {
 
 bool ShareMember::blocked() const { return owns_entry() && entry().blocked.load() > 0; }
 
-int64_t ShareMember::fair_share_pages() const {
-  int64_t members = 0, budget = INT64_MAX;
-  for (const LedgerEntry& e : ledger_->file().entries) {
-    if (e.state.load() != 1) continue;
-    ++members;
-    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
-  }
-  if (budget == INT64_MAX || members == 0) return -1;
-  return budget / members / page_bytes_;
+bool ShareMember::set_demand(int64_t pages) {
+  if (!owns_entry()) return false;
+  const int64_t bytes = std::max<int64_t>(0, pages) * page_bytes_;
+  return entry().demand_bytes.exchange(bytes, std::memory_order_relaxed) != bytes;
+}
+
+ShareMember::Fair ShareMember::fair_share() const {
+  Fair out;
+  if (!owns_entry()) return out;
+  ShareReading r;
+  read_share(ledger_->file(), &entry(), r);
+  if (!r.has_budget() || r.self < 0) return out;
+  // Short: what the members are entitled to and lack exceeds the free budget.
+  const bool short_of_budget = r.unmet_total > r.budget - r.committed;
+  out.pressure = r.other_blocked() || (short_of_budget && r.others_unmet() > 0);
+  out.fair = r.fair_of[r.self] / page_bytes_;
+  out.guaranteed = std::min(r.demand_of[r.self], r.budget / r.n) / page_bytes_;
+  return out;
 }
 
 int64_t ShareMember::room_pages() const {
-  int64_t members = 0, total = 0, budget = INT64_MAX;
-  for (const LedgerEntry& e : ledger_->file().entries) {
-    if (e.state.load() != 1) continue;
-    ++members;
-    total += e.committed_bytes.load();
-    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
-  }
-  if (budget == INT64_MAX || members == 0 || left_) return INT64_MAX;
-  if (!owns_entry()) return 0;  // nothing can be granted without an entry
-  const int64_t unclaimed = budget - total;
-  const int64_t fair_left = budget / members - entry().committed_bytes.load();
-  return std::max<int64_t>(0, std::max(unclaimed, fair_left)) / page_bytes_;
+  if (left_) return INT64_MAX;
+  ShareReading r;
+  read_share(ledger_->file(), owns_entry() ? &entry() : nullptr, r);
+  if (!r.has_budget()) return INT64_MAX;
+  if (r.self < 0) return 0;  // nothing can be granted without an entry
+  const int64_t headroom = r.budget - r.committed - r.others_unmet();
+  // Its fair share, or the guaranteed minimum it gets by wanting more (budget / members).
+  const int64_t share = std::max(r.fair_of[r.self], r.budget / r.n / page_bytes_ * page_bytes_);
+  const int64_t share_left = share - r.committed_of[r.self];
+  return std::max<int64_t>(0, std::max(headroom, share_left)) / page_bytes_;
 }
 
 int64_t ShareMember::budget_pages() const {
@@ -835,14 +965,6 @@ int64_t ShareMember::take_requested_limit() {
   return entry().requested_limit.load();
 }
 
-void ShareMember::refresh_pressure() {
-  bool others_blocked = false;
-  for (const LedgerEntry& e : ledger_->file().entries) {
-    if (e.state.load() == 1 && &e != &entry() && e.blocked.load() > 0) others_blocked = true;
-  }
-  pressure_.store(others_blocked, std::memory_order_relaxed);
-}
-
 void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool> weak) {
   auto last_reclaim = Clock::now();
   while (!self->stopping_.load()) {
@@ -857,7 +979,6 @@ void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool>
         self->ledger_->unlock();
       }
     }
-    self->refresh_pressure();
     {
       std::shared_ptr<PagePool> pool = weak.lock();
       if (!pool) break;

@@ -27,18 +27,61 @@
 // The budget alone is first come, first served: an engine that holds most of it recycles its own
 // freed blocks for its next requests (the hot path needs no grant), so a co-located engine whose
 // load rises later waits for memory that never comes back (measured on the H200: fewer requests
-// within the SLO than two static halves). So while any other allocator of the share has a
-// request short of budget (`pressure`), each watcher holds its pool to a memory limit of its fair
-// share (the budget over the live allocators) when its own limit is higher: it stops growing,
-// unmaps free pages at once and gives pages back as blocks are freed (the lowered-limit path),
-// without failing its own waiters, which wait within their deadlines. Pages over the fair share
-// drain (Note [Drain] in page_pool.h): no block is handed out from them, and a scheduler that
-// reads drain_from_block() vacates the requests holding them, so the memory comes back within a
-// step instead of when those requests end. When nobody is short any more, the pool's own limit
-// (configured, or set with `kvasync limit`) is restored at the next tick: it can grow again only
-// into budget nobody else holds (pressure is not held longer: a member held to its fair share
-// while nobody waits would wait on its own limit with the budget free; measured, seed A). A scheduler short of budget learns what it can count on from available_blocks(),
-// which includes what is left of its fair share (ShareMember::room_pages).
+// within the SLO than two static halves). And budget / members is no better where KV memory
+// binds: with one hot model among N, a static 1/N starves the hot one while the cold ones sit on
+// memory they do not use. So the share divides its budget by *demand*.
+//
+// Demand: each member publishes in its entry (`demand_bytes`) the pages it wants now: the most
+// of (a) the blocks it holds plus those its waiters ask for, and (b) what its engine reported
+// (Allocator.set_demand: the engine's scheduler reports, each loop, the blocks its running
+// requests hold and need for their next step plus the next-step need of the waiting requests
+// that fit its batch), in pages of the fewest blocks a page holds, at most its own limit. A
+// report lapses after kDemandTtl without a new one (an engine stuck or gone stops claiming).
+// The pool publishes it at each watcher tick, when a waiter arrives and on each report; a
+// report that changes it wakes every watcher (the ledger's futex).
+//
+// Fair share (water-filling, max-min fair over demands), over the live members with budget B
+// and demands d_i (bytes): when sum d <= B, f_i = d_i + (B - sum d) / n (the slack is split
+// evenly); otherwise f_i = min(d_i, L), with L the level at which sum min(d_i, L) = B. Each f_i
+// is floored to whole pages of its member (share_fair_shares() computes it; tests check it).
+// Entitled: e_i = min(d_i, f_i). Unmet: u_i = max(0, e_i - committed_i).
+//
+// Pressure on member i: another member is blocked (short of budget with a waiter), or the
+// share is short (sum u > B - sum committed) and another member has u_j > 0. Under pressure,
+// i's pool is held to a memory limit of max(1, f_i) pages when its own limit is higher (Note
+// [Limit policy] in limit_policy.h): it stops growing, keeps no reserve, unmaps free pages at
+// once, and pages over the limit drain (no block is handed out from them; a scheduler reading
+// drain_from_block() vacates the requests holding them, so the memory comes back within a step).
+// Its own waiters are not failed: a request above the fair share waits, with its deadline.
+//
+// Grants (ShareMember::grant, under the lock): a map of member i is granted at most
+// B - sum committed - sum_{j != i} u_j: never the budget another member is entitled to and
+// wants, so that memory given back under pressure is not taken again by the one that gave it.
+// A refill gets nothing while another member is blocked. available_blocks() counts, of the
+// share, what i can count on (room_pages): the larger of that headroom and of
+// max(f_i, floor(B / n)) - committed_i (by wanting more, any member gets at least B / n).
+//
+// Invariants (tests/test_share_policy.py checks them after every step of a random run):
+//   - Budget: sum committed <= B at all times (grants under the lock; releases only subtract).
+//     A budget lowered by a newcomer can leave the share over it; then nothing is granted.
+//   - Minimum: under pressure, a member's limit is at least min(own limit, g_i) pages, with the
+//     guaranteed minimum g_i = min(d_i, floor(B / n)) (water-filling gives f_i >= g_i: a level
+//     below B / n would leave budget over). So a cold model's first request gets its pages as
+//     soon as the others' excess is unmapped or vacated, however hot they are.
+//   - Fast reclaim: when a member blocks or its demand rises, every watcher is woken at once
+//     (FUTEX_WAKE), and within that tick an idle member (no block in use) queues the unmap of
+//     every page it holds beyond max(1, f_i) and of its whole reserve. A watcher also ticks
+//     every kTick without a wake: the bound is one kTick (100 ms) plus the unmaps' own time.
+//   - No oscillation: a member's fair-share limit goes down at once (a step-down serves a
+//     waiter) but goes up again only kRegrowHold (LimitPolicy) after its last step-down, and
+//     never stays below min(own limit, g_i) meanwhile. So the limit turns from falling to
+//     rising at most once per kRegrowHold (300 ms), and pages a member gave back stay with the
+//     member entitled to them at least that long (the grants' rule above keeps them from it
+//     for as long as that member wants them). Pressure lifts when nobody is short, and the own
+//     limit (configured, or `kvasync limit`) comes back after the same hold.
+//   - No waiter waits while its map could be granted: a member blocked re-plans at each release
+//     in the share (a wake-up) and each tick; a member's own waiters, within its entitlement,
+//     are granted as soon as the others' excess comes back.
 //
 // Dead processes: an entry's owner is identified by pid *and* the process's start time (from
 // /proc, against pid reuse) *and* its pid namespace (the inode of /proc/self/ns/pid): a pid means
@@ -116,7 +159,8 @@ struct LedgerError : BackendError {
 };
 
 constexpr uint64_t kLedgerMagic = 0x3152474445'4c4b56ULL;  // "VKLEDGR1" read little-endian
-constexpr uint32_t kLedgerVersion = 2;  // 2: pid namespace, heartbeat, slot generation
+// 2: pid namespace, heartbeat, slot generation; 3: demand (Note [Fair share under pressure])
+constexpr uint32_t kLedgerVersion = 3;
 constexpr int kLedgerEntries = 64;
 constexpr int kLedgerNameBytes = 64;
 constexpr int kLedgerOpBytes = 64;
@@ -144,6 +188,8 @@ struct alignas(64) LedgerEntry {
   std::atomic<uint32_t> op_generation;  // odd while `op` is being written
   std::atomic<int64_t> op_started_ns;   // CLOCK_MONOTONIC, 0 when idle
   char op[kLedgerOpBytes];
+  // Pages this allocator wants now, in bytes (Note [Fair share under pressure]); its owner's.
+  std::atomic<int64_t> demand_bytes;
 };
 
 struct LedgerHeader {
@@ -172,7 +218,7 @@ struct EntryView {
   uint64_t serial;
   std::string name;
   int64_t committed_bytes, mapped_bytes, reserved_bytes, used_bytes, limit_bytes, page_bytes,
-      budget_bytes, waiters, blocked, requested_limit;
+      budget_bytes, waiters, blocked, requested_limit, demand_bytes;
   std::string op;
   double op_age_s;
   uint64_t pid_ns;
@@ -212,7 +258,11 @@ class Ledger {
   // lock_failure() says which). A dead holder is repaired. Never throws.
   bool lock(Clock::time_point deadline) noexcept;
   void unlock();
+  // Names the holder's pid when the lock stayed taken.
   std::string lock_failure(double timeout_s) const;
+  // The process holding the lock now (from the robust mutex's owner thread), 0 when free, -1
+  // when unknown. A hint for messages: it may have let go by the time it is read.
+  int32_t holder_pid() const;
 
   // Lock held. Frees the entries of processes that are gone; returns how many.
   int reclaim_dead_locked();
@@ -251,6 +301,10 @@ class Ledger {
   std::atomic<int> lock_error_{0};    // the last error that made the lock unusable
 };
 
+// Note [Fair share under pressure]: the water-filling of `budget` bytes over `demands` (bytes,
+// negative read as 0): each member's fair share in bytes.
+std::vector<int64_t> share_fair_shares(const std::vector<int64_t>& demands, int64_t budget);
+
 // One allocator's membership of a share: its entry and its watcher thread.
 class ShareMember : public std::enable_shared_from_this<ShareMember> {
  public:
@@ -263,6 +317,10 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // A grant runs under the pool's mutex (and so may hold up an alloc): it waits for the ledger
   // lock only briefly; when that fails, the watcher's next tick plans the map again.
   static constexpr auto kGrantLockTimeout = std::chrono::milliseconds(50);
+  // Joining waits this long for the ledger's lock, leaving kLeaveLockTimeout (on the caller's
+  // thread: opening and closing an allocator).
+  static constexpr auto kJoinLockTimeout = std::chrono::seconds(1);
+  static constexpr auto kLeaveLockTimeout = std::chrono::milliseconds(200);
 
   // Joins: takes a free entry. Throws LedgerError when the ledger is full or unusable.
   ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name, int64_t budget_bytes,
@@ -276,20 +334,38 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // Stops the watcher (bounded) and leaves the ledger.
   void stop(double timeout_s);
 
-  // PagePool side, its mutex held. Charges up to `pages` pages; returns how many it granted.
-  // Never throws (it runs on the mapper's thread too): a ledger it cannot lock grants nothing.
-  int64_t grant(int64_t pages, bool refill) noexcept;
+  // The outcome of grant(): pages charged, and when the lock stayed taken past the caller's
+  // deadline (nothing charged), who held it (-1: unknown).
+  struct Grant {
+    int64_t granted = 0;
+    bool lock_busy = false;
+    int32_t holder_pid = 0;
+  };
+  // PagePool side. Charges up to `pages` pages within the budget less what the other members are
+  // entitled to and want (Note [Fair share under pressure]); a refill gets nothing while another
+  // member is blocked. Waits for the ledger's lock until `lock_deadline` only (now: a try).
+  // Never throws (it runs under the pool's mutex and on the mapper's thread).
+  Grant grant(int64_t pages, bool refill, Clock::time_point lock_deadline) noexcept;
   void release(int64_t pages);  // no lock: an atomic subtraction; call notify() after a batch
   void notify() { ledger_->notify(); }
   void set_blocked(int64_t waiters);
   bool blocked() const;
-  bool pressure() const { return pressure_.load(std::memory_order_relaxed); }
-  // Note [Fair share under pressure]: the share's budget over its live allocators, in whole
-  // pages of this one; -1 when the share has no budget. Read without the lock (atomics).
-  int64_t fair_share_pages() const;
-  // The pages this allocator can count on getting: the share's free budget, or what is left of
-  // its fair share when more (the others give it back under pressure). INT64_MAX without a
-  // budget. Read without the lock (atomics): a hint for schedulers, never a grant.
+  // Publishes this member's demand (pages it wants now). Returns whether it changed; the caller
+  // wakes the watchers (notify) when it did.
+  bool set_demand(int64_t pages);
+  // Note [Fair share under pressure], read without the lock (atomics).
+  struct Fair {
+    bool pressure = false;   // another member is blocked, or the share short and another unmet
+    int64_t fair = -1;       // f_i in pages of this member; -1 when the share has no budget
+    int64_t guaranteed = 0;  // g_i = min(d_i, budget / members) in pages
+  };
+  Fair fair_share() const;
+  bool pressure() const { return fair_share().pressure; }
+  int64_t fair_share_pages() const { return fair_share().fair; }
+  // The pages this allocator can count on getting: the budget the others are not entitled to,
+  // or what is left of its fair share (at least budget / members) when more (the others give
+  // it back under pressure).
+  // INT64_MAX without a budget. Read without the lock (atomics): a hint, never a grant.
   int64_t room_pages() const;
   // The share's whole budget in pages of this allocator (INT64_MAX without one): a request
   // larger than this can never be served. Read without the lock (atomics).
@@ -314,7 +390,6 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   void leave();
   LedgerEntry& entry() { return ledger_->file().entries[slot_]; }
   const LedgerEntry& entry() const { return ledger_->file().entries[slot_]; }
-  void refresh_pressure();
 
   std::shared_ptr<Ledger> ledger_;
   int slot_ = -1;
@@ -323,7 +398,6 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   uint32_t generation_ = 0;    // the slot's generation at the join
   int64_t page_bytes_;
   uint32_t seen_limit_generation_ = 0;
-  std::atomic<bool> pressure_{false};  // another allocator of the share is short of budget
   std::atomic<bool> stopping_{false};
   std::atomic<bool> left_{false};
   Wakeup exited_;

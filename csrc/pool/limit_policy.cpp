@@ -4,11 +4,9 @@
 
 namespace kvasync {
 
-// Note [Limit policy]: the effective limit is the own limit, held to the fair share while the
-// share is under pressure.
+// Note [Limit policy]: the effective limit is the own limit, held to the share cap.
 bool LimitPolicy::update() {
-  int64_t limit = own_limit();
-  if (pressure_ && fair_ > 0) limit = std::min(limit, fair_);
+  const int64_t limit = std::min(own_limit(), share_cap_);
   const bool changed = limit != limit_;
   limit_ = limit;
   return changed;
@@ -24,9 +22,21 @@ bool LimitPolicy::set_operator(int64_t pages) {
   return update();
 }
 
-bool LimitPolicy::set_share(bool pressure, int64_t fair_pages) {
+bool LimitPolicy::set_share(bool pressure, int64_t fair_pages, int64_t guaranteed_pages,
+                            Clock::time_point now) {
   pressure_ = pressure;
-  fair_ = fair_pages;
+  const int64_t target = pressure && fair_pages >= 0 ? std::max<int64_t>(1, fair_pages) : kNoCap;
+  if (target < share_cap_) {
+    share_cap_ = target;  // a step-down serves a waiter: at once
+    stepped_down_at_ = now;
+  } else if (target > share_cap_ && now - stepped_down_at_ >= kRegrowHold) {
+    share_cap_ = target;
+  }
+  // Held down, the cap never stays below the guaranteed minimum (Note [Fair share under
+  // pressure] in ledger.h).
+  if (share_cap_ != kNoCap) {
+    share_cap_ = std::max(share_cap_, std::max<int64_t>(1, guaranteed_pages));
+  }
   return update();
 }
 

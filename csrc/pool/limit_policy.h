@@ -9,10 +9,13 @@
 //
 // 1. The effective limit (limit()): the pages the pool may hold now (mapping, mapped or
 //    unmapping). It is the own limit (own_limit(): the operator's when set, else the user's)
-//    and, while another member of the share is short of budget, at most the fair share (the
-//    share's budget over its live members; Note [Fair share under pressure] in ledger.h). The
-//    own limit is a promise: an alloc above it is refused at once (OutOfBlocks); the fair share
-//    is temporary, so a request above it waits instead (with its deadline).
+//    and, while the share is under pressure, at most the share cap: the member's fair share
+//    (its demand-weighted share of the budget; Note [Fair share under pressure] in ledger.h),
+//    never below 1 page nor below its guaranteed minimum. The cap goes down at once and up only
+//    kRegrowHold after its last step-down (the bound on oscillation), but never stays below the
+//    guaranteed minimum; pressure lifting removes it after the same hold. The own limit is a
+//    promise: an alloc above it is refused at once (OutOfBlocks); the share cap is temporary,
+//    so a request above it waits instead (with its deadline).
 //
 // 2. What is kept:
 //    - The reserve (mapped pages with every block free): reserve_to_keep() pages stay, the
@@ -47,6 +50,8 @@
 //
 // Invariants:
 //   - 1 <= limit() <= own_limit(); limit() changes only through the inputs above.
+//   - Under pressure, limit() >= min(own_limit(), max(1, guaranteed)) at every tick.
+//   - The share cap rises only when kRegrowHold has passed since it last fell.
 //   - Pages held (mapping + mapped + unmapping) exceed limit() only after the limit was lowered,
 //     and then only pages that are in use or on their way out: no map is planned beyond it, a
 //     free page over it is unmapped, and the drain covers the rest.
@@ -65,6 +70,9 @@ class LimitPolicy {
   static constexpr int64_t kNoDrain = INT64_MAX;
   // How long the reserve keeps a missed alloc_nowait's pages.
   static constexpr auto kNowaitHold = std::chrono::seconds(1);
+  // How long the share cap stays down after a step-down before it may rise again.
+  static constexpr auto kRegrowHold = std::chrono::milliseconds(300);
+  static constexpr int64_t kNoCap = INT64_MAX;
 
   LimitPolicy(int64_t limit_pages, int64_t reserve_low, int64_t reserve_high)
       : configured_(limit_pages), reserve_low_(reserve_low), reserve_high_(reserve_high) {
@@ -74,7 +82,9 @@ class LimitPolicy {
   // Inputs. Each returns whether the effective limit changed.
   bool set_configured(int64_t pages);      // the user's limit (set_limit, resize)
   bool set_operator(int64_t pages);        // `kvasync limit`; -1: none (back to configured)
-  bool set_share(bool pressure, int64_t fair_pages);  // each share tick; fair -1: no budget
+  // Each share tick: pressure, the fair share (-1: no budget) and the guaranteed minimum, pages.
+  bool set_share(bool pressure, int64_t fair_pages, int64_t guaranteed_pages,
+                 Clock::time_point now);
   void nowait_missed(int64_t blocks, Clock::time_point now);
   void nowait_served(int64_t blocks);
   bool hold_lapsed(Clock::time_point now);  // true once, when a hold has just lapsed
@@ -85,6 +95,7 @@ class LimitPolicy {
   int64_t limit() const { return limit_; }
   int64_t own_limit() const { return operator_ < 0 ? configured_ : operator_; }
   bool pressure() const { return pressure_; }
+  int64_t share_cap() const { return share_cap_; }  // kNoCap when none
   // `committed`: pages mapping, mapped or unmapping. Negative when over the limit.
   int64_t headroom(int64_t committed) const { return limit_ - committed; }
   // Pages of the reserve that stay; `min_page_blocks` converts the hold's blocks to pages.
@@ -113,7 +124,8 @@ class LimitPolicy {
   int64_t configured_;
   int64_t operator_ = -1;
   bool pressure_ = false;
-  int64_t fair_ = -1;
+  int64_t share_cap_ = kNoCap;
+  Clock::time_point stepped_down_at_{};
   int64_t limit_ = 0;
   int64_t reserve_low_, reserve_high_;
   int64_t hold_blocks_ = 0;

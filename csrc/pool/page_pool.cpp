@@ -526,6 +526,7 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
       deadline_s < 0 ? deadline_after(config_.default_timeout_s) : to_time_point(deadline_s);
   waiters_.push_back({id, n, deadline});
   waiting_blocks_ += n;
+  if (share_) publish_demand(Clock::now());  // before the grant: the others see it first
   plan_maps();
   plan_refill();
   return id;
@@ -1149,43 +1150,18 @@ bool PagePool::is_allocated(int64_t block) const {
 
 namespace kvasync {
 
-bool PagePool::ledger_lock_free(Clock::time_point deadline) const {
-  // NOTE: the ledger offers no grant with a deadline of the caller's choosing (grant() waits up
-  // to ShareMember::kGrantLockTimeout): take the lock first with ours, let it go, and grant at
-  // once. Only a holder that takes the lock in between can make grant() wait.
-  Ledger& ledger = const_cast<Ledger&>(share_->ledger());  // the pool's own ledger, not const
-  if (!ledger.lock(deadline)) return false;
-  ledger.unlock();
-  return true;
-}
-
-int32_t PagePool::ledger_lock_holder() const {
-  // A robust mutex records its owner's thread id; the process is that thread's thread group.
-  Ledger& ledger = const_cast<Ledger&>(share_->ledger());
-  const int tid = __atomic_load_n(&ledger.file().header.mutex.__data.__owner, __ATOMIC_RELAXED);
-  if (tid <= 0) return -1;
-  try {
-    std::ifstream status("/proc/" + std::to_string(tid) + "/status");
-    std::string line;
-    while (std::getline(status, line)) {
-      if (line.rfind("Tgid:", 0) == 0) return static_cast<int32_t>(std::atol(line.c_str() + 5));
-    }
-  } catch (...) {
-    // Only a name for a message: the thread id is the pid of a single-threaded holder.
-  }
-  return tid;
-}
-
 bool PagePool::try_charge_share(std::vector<int64_t>& pages, bool refill) {
   if (!share_ || pages.empty()) return true;
   // Note [Budget off the caller's thread]: under mutex_, the ledger's lock is only tried.
-  if (!ledger_lock_free(Clock::now())) {
-    ledger_busy_pid_ = ledger_lock_holder();
+  const ShareMember::Grant grant =
+      share_->grant(static_cast<int64_t>(pages.size()), refill, Clock::now());
+  if (grant.lock_busy) {
+    ledger_busy_pid_ = grant.holder_pid != 0 ? grant.holder_pid : -1;
     return false;
   }
   ledger_busy_pid_ = 0;
   // Pages the share's budget does not allow go back unmapped (they were never charged).
-  const int64_t granted = share_->grant(static_cast<int64_t>(pages.size()), refill);
+  const int64_t granted = grant.granted;
   while (static_cast<int64_t>(pages.size()) > granted) {
     set_state(pages.back(), PageState::kUnmapped);
     pages.pop_back();
@@ -1204,10 +1180,11 @@ void PagePool::charge_pending(std::vector<Job>& batch) {
   }
   if (wanted == 0) return;
   // mutex_ is not held: waiting for the ledger's lock here holds up no caller.
-  const bool lock_free = ledger_lock_free(deadline);
-  const int64_t got = lock_free ? share_->grant(wanted, false) : 0;
+  const ShareMember::Grant grant = share_->grant(wanted, false, deadline);
+  const bool lock_free = !grant.lock_busy;
+  const int64_t got = grant.granted;
   int64_t granted = got;
-  const int32_t holder = lock_free ? 0 : ledger_lock_holder();
+  const int32_t holder = lock_free ? 0 : (grant.holder_pid != 0 ? grant.holder_pid : -1);
   std::lock_guard<std::mutex> lock(mutex_);
   ledger_busy_pid_ = holder;
   for (Job& job : batch) {
@@ -1237,6 +1214,34 @@ void PagePool::charge_pending(std::vector<Job>& batch) {
   } else {
     current_job_ = batch.size() == 1 ? batch.front() : merge_jobs(batch);
   }
+}
+
+int64_t PagePool::demand_pages(Clock::time_point now) const {
+  // Note [Fair share under pressure]: what this pool holds and its waiters ask for, or what its
+  // engine reported (until the report lapses), in pages of the fewest blocks a page holds.
+  const int64_t bpp = std::max<int64_t>(min_page_blocks_, 1);
+  int64_t blocks = used_blocks_ + waiting_blocks_;
+  if (now < reported_until_) blocks = std::max(blocks, reported_demand_);
+  const int64_t pages = (blocks + bpp - 1) / bpp;
+  return std::min({pages, policy_.own_limit(), static_cast<int64_t>(pages_.size())});
+}
+
+void PagePool::publish_demand(Clock::time_point now) {
+  // A new figure wakes every watcher: the others step down (or stop stepping down) now.
+  if (share_ && share_->set_demand(demand_pages(now))) share_->notify();
+}
+
+void PagePool::set_demand(int64_t blocks) {
+  if (blocks < 0) {
+    throw std::invalid_argument("demand must be a number of blocks >= 0, got " +
+                                std::to_string(blocks));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) return;
+  const Clock::time_point now = Clock::now();
+  reported_demand_ = blocks;
+  reported_until_ = now + kDemandTtl;
+  publish_demand(now);
 }
 
 void PagePool::release_share(int64_t pages) {
@@ -1271,9 +1276,12 @@ void PagePool::on_share_tick(ShareMember& member) {
     policy_.set_operator(
         requested == 0 ? -1 : std::clamp<int64_t>(requested / member.page_bytes(), 1, pages));
   }
-  // Note [Limit policy]: while another allocator of the share waits for budget, this one is held
-  // to its fair share (Note [Fair share under pressure] in ledger.h), until nobody else waits.
-  const bool changed = policy_.set_share(member.pressure(), member.fair_share_pages());
+  // Note [Limit policy]: under the share's pressure this pool is held to its demand-weighted
+  // fair share (Note [Fair share under pressure] in ledger.h).
+  const Clock::time_point now = Clock::now();
+  publish_demand(now);
+  const ShareMember::Fair fair = member.fair_share();
+  const bool changed = policy_.set_share(fair.pressure, fair.fair, fair.guaranteed, now);
   if (changed || requested >= 0) limit_changed(/*fail_above_own=*/requested >= 0);
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();

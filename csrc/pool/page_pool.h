@@ -164,6 +164,11 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::optional<std::vector<int64_t>> alloc_nowait(int64_t n, bool map_on_miss = true);
   // Blocks an alloc could get now or by mapping within the memory limit (less waiters' demand).
   int64_t available_blocks() const;
+  // The blocks the caller (an engine's scheduler) wants now: held plus about to be asked for. In
+  // a share it sets this pool's demand for kDemandTtl (Note [Fair share under pressure] in
+  // ledger.h); without a share it is only recorded. Negative: std::invalid_argument.
+  static constexpr auto kDemandTtl = std::chrono::seconds(5);
+  void set_demand(int64_t blocks);
   // Note [Limit policy]: the first block id of the draining pages, those this pool wants back
   // (a limit in force below what is mapped) and hands no block out from; -1 when none drains.
   int64_t drain_from_block() const;
@@ -281,8 +286,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   std::string describe_wait(const Waiter& waiter) const;
   void check_open() const;
   bool try_charge_share(std::vector<int64_t>& pages, bool refill);
-  bool ledger_lock_free(Clock::time_point deadline) const;
-  int32_t ledger_lock_holder() const;
+  int64_t demand_pages(Clock::time_point now) const;
+  void publish_demand(Clock::time_point now);
   void release_share(int64_t pages);
   void limit_changed(bool fail_above_own);
 
@@ -319,6 +324,8 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // Note [Budget off the caller's thread]: the pid holding the ledger's lock when a charge last
   // found it busy (-1: unknown holder), 0 once a charge got the lock.
   int32_t ledger_busy_pid_ = 0;
+  int64_t reported_demand_ = 0;  // set_demand's blocks, in force until reported_until_
+  Clock::time_point reported_until_{};
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;

@@ -275,6 +275,18 @@ class Allocator:
         """
         return int(self._pool.available_blocks())
 
+    def set_demand(self, blocks: int) -> None:
+        """Reports the blocks this allocator's user wants now: those it holds plus those it is
+        about to ask for (an engine's running and admissible requests).
+
+        In a share, the budget is divided by demand (Note [Fair share under pressure] in
+        csrc/ledger/ledger.h): the report counts for 5 s, or until the next one, beside what the
+        pool sees itself (blocks held and waited for). Without a share it changes nothing.
+        """
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise ValueError(f"demand must be a number of blocks >= 0, got {blocks!r}")
+        self._pool.set_demand(min(blocks, self.num_blocks))
+
     def drain_from(self) -> int | None:
         """The first block id of the pages this allocator wants back, or None.
 

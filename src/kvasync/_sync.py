@@ -146,6 +146,10 @@ class SyncAllocator:
         """As ``Allocator.available_blocks``."""
         return self._kv.available_blocks()
 
+    def set_demand(self, blocks: int) -> None:
+        """As ``Allocator.set_demand``: the blocks wanted now, for a share's fair share."""
+        self._kv.set_demand(blocks)
+
     def drain_from(self) -> int | None:
         """As ``Allocator.drain_from``: the first block id of the pages to give back, or None."""
         return self._kv.drain_from()

@@ -160,6 +160,9 @@ class AllocatorView:
     def drain_from(self) -> int | None:
         return self._kv.drain_from()
 
+    def set_demand(self, blocks: int) -> None:
+        self._kv.set_demand(blocks)
+
     def capacity_blocks(self) -> int:
         if self._share_bound is not None:
             return self._share_bound

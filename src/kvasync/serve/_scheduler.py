@@ -8,6 +8,12 @@ One asyncio task runs the engine, step after step:
    its blocks are freed. No request waits past its deadline.
 2. Admit waiting requests, oldest first, while the batch has room (``max_batch`` requests,
    ``max_batch_tokens`` new tokens): each gets the blocks for its tokens with ``await kv.alloc``.
+   First the scheduler reports its demand (``kv.set_demand``: the blocks its running requests
+   hold and need for their next step, plus the next-step need of the waiting requests that fit
+   the batch), by which a share divides its budget (Note [Fair share under pressure] in
+   csrc/ledger/ledger.h). With others running, a request is admitted only when
+   ``kv.available_blocks()`` covers its need: what the allocator can count on, which in a share
+   is the headroom the other members leave it or its fair share, never the whole budget.
    With other requests running, the alloc waits at most ``alloc_timeout`` (pages being mapped
    arrive in well under that), so that a full cache stalls the running batch at most that long;
    on a timeout admission pauses until blocks are freed. With nothing running it waits up to the
@@ -60,6 +66,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Generic, Protocol, TypeVar
 
 from ._errors import RequestTooLarge
@@ -87,6 +94,10 @@ class KVView(Protocol):
 
     def capacity_blocks(self) -> int:
         """The most blocks this cache can ever hold at once (capacity, limit, share budget)."""
+        ...
+
+    def set_demand(self, blocks: int) -> None:
+        """Reports the blocks the engine wants now (a share divides its budget by demand)."""
         ...
 
 
@@ -215,6 +226,14 @@ class Scheduler(Generic[R]):
         """Blocks ``request`` lacks for its next step (<= 0: none)."""
         return self.blocks_for(len(request.tokens)) - len(request.blocks)
 
+    def demand_blocks(self) -> int:
+        """The blocks the engine wants now: what the running requests hold or need for their next
+        step, and the next-step need of the waiting requests that fit the batch."""
+        running = sum(max(len(r.blocks), self.blocks_for(len(r.tokens))) for r in self.running)
+        room = max(0, self.max_batch - len(self.running))
+        waiting = sum(self.blocks_for(len(r.tokens)) for r in islice(self.waiting, room))
+        return running + waiting
+
     def max_blocks(self, request: R) -> int:
         """The most blocks ``request`` ever holds: the last token it samples is never computed."""
         return self.blocks_for(len(request.prompt) + request.max_tokens - 1)
@@ -272,6 +291,7 @@ class Scheduler(Generic[R]):
         """The next request to admit, oldest first, or None: the batch is full (requests or
         tokens), a grow is pending (growth first), admission is paused, or the head's blocks are
         not available while others run (then admission pauses: only an end frees blocks)."""
+        self.view.set_demand(self.demand_blocks())
         if self._paused and now - self._paused_at > self.patience:
             self._paused = False  # in a share, memory can come back from another engine
         if any(r.grow_since is not None for r in self.running):
