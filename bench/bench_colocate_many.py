@@ -77,6 +77,7 @@ from _tables import markdown
 MIB = 1 << 20
 SAMPLE_S = 0.02  # the workers' and the ledger's sampling interval
 READY_TIMEOUT_S = 180.0  # a worker's import, engine open (static: maps its whole limit), warm-up
+DRAIN_S = 45.0  # past the last arrival's give-up, a run's unfinished requests are cut
 
 
 @dataclass(frozen=True)
@@ -392,10 +393,15 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
         for sampler in (memory, waiting, running):
             sampler.start = start
         with memory, waiting, running:
-            await asyncio.wait_for(
-                asyncio.gather(*(one(i, r) for i, r in enumerate(trace))),
-                spec["duration"] + give_up + 600,
-            )
+            tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(trace)]
+            # A run ends DRAIN_S after its last arrival's give-up at the latest: what is still
+            # unfinished then is cut (recorded as abandoned), so that a stall costs a bounded
+            # time and the other variants still run.
+            _, late = await asyncio.wait(tasks, timeout=spec["duration"] + give_up + DRAIN_S)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=30)
         duration = time.monotonic() - start
         stats = engine.stats()
         records = [r for r in engine.records() if r.arrival >= start]
@@ -411,6 +417,7 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
                 "moved blocks": stats.moved_blocks,
                 "refused": counts["refused"],
                 "gave up": counts["gave up"],
+                "cut": len(late),
             },
         }
 
@@ -670,7 +677,7 @@ class Harness:
             worker.send(op="go", start_at=start_at)
         try:
             for worker in workers:
-                worker.expect("done", duration + give_up_s + 900)
+                worker.expect("done", duration + give_up_s + DRAIN_S + 120)
         finally:
             if watch is not None:
                 watch.stop()
@@ -757,6 +764,22 @@ def reclaim_times(
     return times, unresolved + len(open_since)
 
 
+def blocked_spans(samples: list[tuple[float, list[tuple[str, int, int, int, int]]]]) -> list[float]:
+    """How long each member stayed blocked on the share's budget, span by span (seconds)."""
+    spans: list[float] = []
+    since: dict[str, float] = {}
+    for t, entries in samples:
+        blocked = {name for name, _, _, _, b in entries if b > 0}
+        for name in list(since):
+            if name not in blocked:
+                spans.append(t - since.pop(name))
+        for name in blocked:
+            since.setdefault(name, t)
+    if samples:
+        spans.extend(samples[-1][0] - t for t in since.values())
+    return spans
+
+
 def crest(run: VariantRun) -> tuple[float, float, float]:
     """The busiest second of the run over all engines (decode tokens produced): (its tokens/s,
     its steps' median ms, the largest batch in it)."""
@@ -797,6 +820,7 @@ def summarize_variant(
                     within_slo(r, regime.slo_ttft_s, regime.slo_tpot_s) for r in engine.records
                 ),
                 "gave up": int(engine.extra.get("gave up", 0)),
+                "cut": int(engine.extra.get("cut", 0)),
                 "refused": int(engine.extra.get("refused", 0)),
                 "preemptions": sum(r.preemptions for r in engine.records),
                 "moved blocks": int(engine.extra.get("moved blocks", 0)),
@@ -813,6 +837,7 @@ def summarize_variant(
     ttft = [x for e in per_engine for x in e["ttft"]]
     tpot = [x for e in per_engine for x in e["tpot"]]
     reclaim, unresolved = reclaim_times(run.ledger, page_bytes)
+    blocked = blocked_spans(run.ledger)
     tokens_s, step_ms, crest_batch = crest(run)
     busy = [b for _, b in run.gpu_busy]
     total_within = sum(e["within SLO"] for e in per_engine)
@@ -823,6 +848,7 @@ def summarize_variant(
         "requests": sum(e["requests"] for e in per_engine),
         "done": sum(e["done"] for e in per_engine),
         "gave up": sum(e["gave up"] for e in per_engine),
+        "cut": sum(e["cut"] for e in per_engine),
         "preemptions": sum(e["preemptions"] for e in per_engine),
         "queue s": sum(e["queue s"] for e in per_engine),
         "memory queue s": sum(e["memory queue s"] for e in per_engine),
@@ -839,6 +865,9 @@ def summarize_variant(
         "reclaim max ms": 1e3 * max(reclaim) if reclaim else float("nan"),
         "reclaims": len(reclaim),
         "reclaims unresolved": unresolved,
+        "blocked spans": len(blocked),
+        "blocked p50 s": percentile(blocked, 50) if blocked else float("nan"),
+        "blocked max s": max(blocked) if blocked else float("nan"),
         "splits MiB": [None if e.limit_bytes is None else e.limit_bytes / MIB for e in run.engines],
     }
 
@@ -859,7 +888,7 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
         "x static 1/N",
         "goodput req/s",
         "done / requests",
-        "gave up",
+        "gave up (cut)",
         "preempt.",
         "queued s (for memory)",
         "TTFT p50 / p99 s",
@@ -881,7 +910,7 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
                 f"{ratio:.2f}",
                 fmt(s["goodput"]),
                 f"{s['done']} / {s['requests']}",
-                str(s["gave up"]),
+                f"{s['gave up']} ({s['cut']})" if s["cut"] else str(s["gave up"]),
                 str(s["preemptions"]),
                 f"{s['queue s']:.0f} ({s['memory queue s']:.0f})",
                 f"{fmt(s['TTFT p50 s'])} / {fmt(s['TTFT p99 s'])}",
@@ -1336,7 +1365,10 @@ def main() -> None:
                 f"{capacity:.0f} tok/s, {1e3 * step_full:.1f} ms "
                 f"({shared_summary['crest tok/s'] / capacity:.0%} of it). GPU busy (NVML) max "
                 f"{fmt(shared_summary['GPU busy max %'])}% shared, "
-                f"{fmt(static['GPU busy max %'])}% static. Static 1/N: {static['preemptions']} "
+                f"{fmt(static['GPU busy max %'])}% static. Shared: members blocked on the share's "
+                f"budget {shared_summary['blocked spans']} times, p50 "
+                f"{fmt(shared_summary['blocked p50 s'])} s, max "
+                f"{fmt(shared_summary['blocked max s'])} s. Static 1/N: {static['preemptions']} "
                 f"preemptions, {static['memory queue s']:.0f} request-seconds queued for memory "
                 f"(the worst engine {hot_queue:.0f}), {static['gave up']} clients gave up.\n"
             )
