@@ -143,9 +143,15 @@ def test_ls_stays_readable_in_a_narrow_terminal():
     )
     with kvasync.open_allocator_sync(layout, config) as kv:
         blocks = kv.alloc(600, timeout=5.0)
+        mapped = kv.stats().mapped_bytes
+
+        def settled(entry: kvasync.share.LedgerEntry) -> bool:
+            # The watcher publishes every 100 ms: wait for the view after the map, op and all.
+            return bool(entry.used_bytes) and entry.mapped_bytes == mapped and not entry.op
+
         deadline = time.monotonic() + 5.0
-        while not (entry := kvasync.share.snapshot(share)[0]).used_bytes:  # published in a while
-            assert time.monotonic() < deadline, "the ledger did not show the blocks within 5 s"
+        while not settled(entry := kvasync.share.snapshot(share)[0]):
+            assert time.monotonic() < deadline, f"the ledger did not settle within 5 s: {entry}"
             time.sleep(0.01)
         narrow = run_kvasync("ls", "--share", share, columns=60)
         wide = run_kvasync("ls", "--share", share, columns=200)
