@@ -1,0 +1,309 @@
+"""The share's policy (Note [Fair share under pressure] in csrc/ledger/ledger.h), model-based.
+
+A hypothesis state machine runs three host-backend allocators of one process in one share (one
+ledger file, three entries, three watcher threads) through random demand: allocs of random sizes,
+frees, members going idle (their freed pages kept as reserve), and demand reported as an engine's
+scheduler reports it (``set_demand``). The model is what the members hold and have reported.
+After every step:
+
+* the budget is never exceeded: the committed bytes of ``kvasync.share.snapshot`` add up to at
+  most the budget;
+* the minimum is never broken: within a watcher tick (waited for with a deadline), every
+  member's limit in force is at least min(its own limit, max(1, min(demand, budget / members)))
+  pages;
+* no waiter waits past its deadline while memory is free: an alloc whose pages fit in the budget
+  less what the others hold in use or claim by demand succeeds within ``RECLAIM_DEADLINE_S``,
+  taking back the reserves of idle members (fast reclaim); every alloc returns within its
+  deadline plus ``SLACK_S``.
+
+``KVASYNC_MODEL_EXAMPLES`` scales the number of examples (``make soak`` sets it).
+
+One smaller case runs in real processes: a member holding pages in use steps down to its
+demand-weighted fair share, not to budget / members, when another process waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import kvasync
+from kvasync import _core, ledger
+
+LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+PAGE_SIZE = 64 << 10
+BLOCKS_PER_PAGE = PAGE_SIZE // LAYOUT.block_bytes  # 16
+PAGE_BYTES = PAGE_SIZE * LAYOUT.num_ranges
+BUDGET_PAGES = 8
+MEMBERS = 3
+# One watcher tick (100 ms) to be woken and unmap, the regrow hold of a member's own cap
+# (300 ms), and the rest for a loaded 2-core CI machine: a member that never gives back misses it
+# by far more (it waits forever).
+RECLAIM_DEADLINE_S = 2.0
+TICK_DEADLINE_S = 1.0  # for a figure the watchers publish at each tick (100 ms)
+SLACK_S = 1.0
+EXAMPLES = int(os.environ.get("KVASYNC_MODEL_EXAMPLES", "6"))
+
+counts = st.integers(min_value=1, max_value=3 * BLOCKS_PER_PAGE)
+picks = st.integers(min_value=0, max_value=1 << 16)
+members = st.integers(min_value=0, max_value=MEMBERS - 1)
+
+
+def pages_of(blocks: int) -> int:
+    return math.ceil(blocks / BLOCKS_PER_PAGE)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.002)
+
+
+class SharePolicyMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.share = f"test-{uuid.uuid4().hex[:12]}"
+        config = kvasync.Config(
+            backend="host",
+            max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
+            page_size=PAGE_SIZE,
+            reserve_pages=(0, 2),  # a member that frees keeps up to 2 free pages: its reserve
+            default_timeout=5.0,
+            share=self.share,
+            device_budget=BUDGET_PAGES * PAGE_BYTES,
+        )
+        self.kvs: list[kvasync.SyncAllocator] = []
+        for index in range(MEMBERS):
+            named = dataclasses.replace(config, name=f"member-{index}")
+            self.kvs.append(kvasync.open_allocator_sync(LAYOUT, named))
+        self.held: list[list[list[int]]] = [[] for _ in range(MEMBERS)]
+        self.reported: list[tuple[int, float]] = [(0, 0.0)] * MEMBERS  # (blocks, when)
+
+    # -- the model ----------------------------------------------------------------------------
+
+    def in_use_pages(self, index: int) -> int:
+        stats = self.kvs[index].stats()
+        return stats.mapped_pages - stats.reserve_pages + stats.inflight_pages
+
+    def claim_pages(self, index: int) -> int:
+        """What member `index` holds in use or claims by its report (until the report lapses:
+        an upper bound on its demand)."""
+        blocks, when = self.reported[index]
+        reported = pages_of(blocks) if time.monotonic() - when < 5.0 else 0
+        return max(self.in_use_pages(index), reported)
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        rows = _core.ledger_snapshot(ledger.path(self.share), 1.0)
+        return {row["name"]: row for row in rows}
+
+    # -- rules --------------------------------------------------------------------------------
+
+    @rule(index=members, n=counts)
+    def alloc(self, index: int, n: int) -> None:
+        kv = self.kvs[index]
+        others = sum(self.claim_pages(j) for j in range(MEMBERS) if j != index)
+        fits = others + self.in_use_pages(index) + pages_of(n) <= BUDGET_PAGES
+        committed = sum(e.committed_bytes for e in ledger.snapshot(self.share)) // PAGE_BYTES
+        timeout = RECLAIM_DEADLINE_S if fits else 0.05
+        start = time.monotonic()
+        try:
+            blocks = kv.alloc(n, timeout=timeout)
+        except kvasync.AllocTimeout as error:
+            assert not fits, (
+                f"member-{index} waited {time.monotonic() - start:.3f} s for {n} blocks that fit "
+                f"the budget less the others' claims ({others} pages): {error}"
+            )
+            event("alloc timed out: the memory was held in use or claimed")
+        else:
+            self.held[index].append(blocks)
+            if fits and committed + pages_of(n) > BUDGET_PAGES:
+                event("alloc served by taking back other members' free pages")
+        assert time.monotonic() - start <= timeout + SLACK_S
+
+    @rule(index=members, pick=picks)
+    def free_one(self, index: int, pick: int) -> None:
+        if self.held[index]:
+            self.kvs[index].free(self.held[index].pop(pick % len(self.held[index])))
+
+    @rule(index=members)
+    def go_idle(self, index: int) -> None:
+        for blocks in self.held[index]:
+            self.kvs[index].free(blocks)
+        self.held[index] = []
+        self.set_demand(index, 0)
+
+    @rule(index=members, extra=st.integers(min_value=0, max_value=2 * BLOCKS_PER_PAGE))
+    def report_demand(self, index: int, extra: int) -> None:
+        # An engine's report: what it holds plus what it is about to ask for.
+        held = sum(len(blocks) for blocks in self.held[index])
+        self.set_demand(index, held + extra)
+
+    def set_demand(self, index: int, blocks: int) -> None:
+        self.kvs[index].set_demand(blocks)
+        self.reported[index] = (blocks, time.monotonic())
+
+    @precondition(lambda self: any(self.held))
+    @rule(index=members)
+    def claim_from_an_idle_member(self, index: int) -> None:
+        # Every other member goes idle, keeping its freed pages as reserve; this one then asks
+        # for all the budget it does not hold in use: the reserves must come back.
+        for other in range(MEMBERS):
+            if other != index:
+                self.go_idle(other)
+        need = (BUDGET_PAGES - self.in_use_pages(index)) * BLOCKS_PER_PAGE
+        if need > 0:
+            self.alloc(index, min(need, 3 * BLOCKS_PER_PAGE))
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def the_budget_is_never_exceeded(self) -> None:
+        entries = ledger.snapshot(self.share)
+        assert sum(e.committed_bytes for e in entries) <= BUDGET_PAGES * PAGE_BYTES, entries
+
+    @invariant()
+    def no_member_is_held_below_its_guaranteed_minimum(self) -> None:
+        def held_up() -> bool:
+            for row in self.entries().values():
+                demand = row["demand_bytes"] // PAGE_BYTES
+                guaranteed = max(1, min(demand, BUDGET_PAGES // MEMBERS))
+                own = BUDGET_PAGES  # max_blocks: the pool's capacity, no memory_limit
+                if row["limit_bytes"] < min(own, guaranteed) * PAGE_BYTES:
+                    return False
+            return True
+
+        wait_for(held_up, TICK_DEADLINE_S, f"a member held below its minimum: {self.entries()}")
+
+    def teardown(self) -> None:
+        for index, kv in enumerate(self.kvs):
+            for blocks in self.held[index]:
+                kv.free(blocks)
+            kv.close(timeout=5.0)
+        if os.path.exists(ledger.path(self.share)):
+            os.unlink(ledger.path(self.share))
+
+
+TestSharePolicy = SharePolicyMachine.TestCase
+TestSharePolicy.settings = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_water_filling_serves_small_demands_whole_and_splits_the_rest_evenly() -> None:
+    assert _core.share_fair_shares([1, 5, 10], 12) == [1, 5, 6]  # level 6
+    assert _core.share_fair_shares([2, 2], 10) == [5, 5]  # slack split evenly
+    assert _core.share_fair_shares([0, 30, 30, 30], 9) == [0, 3, 3, 3]
+    assert _core.share_fair_shares([], 8) == []
+    with pytest.raises(ValueError, match="budget"):
+        _core.share_fair_shares([1], -1)
+
+
+# -- real processes ---------------------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("share_worker.py")
+WORKER_PAGE = 2 << 20  # share_worker.PAGE_SIZE: 4 blocks per page, one range
+
+
+@pytest.fixture
+def worker() -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "host"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert "pid" in read(proc)  # its first line: it is ready
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def read(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+    assert ready, f"worker {proc.pid} did not answer within 60 s"
+    return dict(json.loads(proc.stdout.readline()))
+
+
+def call(proc: subprocess.Popen[str], **command: Any) -> dict[str, Any]:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(command) + "\n")
+    proc.stdin.flush()
+    answer = read(proc)
+    assert answer.get("ok"), answer
+    return answer
+
+
+def test_a_process_steps_down_to_its_demand_weighted_share_not_to_half(
+    worker: subprocess.Popen[str],
+) -> None:
+    # Process A holds 6 of the 8 pages in use; this process then waits for 3. Demands 6 and 3
+    # over 8 pages: water-filling gives 3 to the smaller and 5 to A (budget / members would be 4).
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    budget = 8 * WORKER_PAGE
+    try:
+        call(worker, cmd="open", share=share, budget=budget, name="a", reserve=(0, 0))
+        pid = worker.pid
+        for _ in range(6):
+            call(worker, cmd="alloc", n=4)  # one page each
+        config = kvasync.Config(
+            backend="host",
+            max_blocks=64,
+            page_size=WORKER_PAGE,
+            reserve_pages=(0, 0),
+            share=share,
+            device_budget=budget,
+            name="b",
+        )
+        layout = kvasync.KVLayout(
+            num_layers=4, num_kv_heads=8, head_dim=128, block_size=32, contiguous=True
+        )
+        with kvasync.open_allocator_sync(layout, config) as kv:
+            got: list[list[int]] = []
+            waiter = threading.Thread(target=lambda: got.append(kv.alloc(12, timeout=10.0)))
+            waiter.start()
+
+            def limit_of_a() -> int:
+                rows = [e for e in ledger.snapshot(share) if e.pid == pid]
+                return rows[0].limit_bytes if rows else -1
+
+            wait_for(lambda: limit_of_a() == 5 * WORKER_PAGE, 5.0, "A held to 5 pages")
+            assert _core.share_fair_shares([6, 3], 8) == [5, 3]
+            call(worker, cmd="free", count=1)  # one page back: A is within its share
+            waiter.join(timeout=15.0)
+            assert not waiter.is_alive() and len(got[0]) == 12
+            entries = ledger.snapshot(share)
+            assert sum(e.committed_bytes for e in entries) <= budget
+            a = next(e for e in entries if e.pid == pid)
+            assert a.committed_bytes == 5 * WORKER_PAGE  # not pushed below its fair share
+            kv.free(got[0])
+        call(worker, cmd="close")
+    finally:
+        if os.path.exists(ledger.path(share)):
+            os.unlink(ledger.path(share))
