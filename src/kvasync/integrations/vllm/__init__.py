@@ -1,0 +1,290 @@
+"""kvasync inside vLLM: an elastic KV cache for vLLM's v1 engine (``pip install kvasync[vllm]``).
+
+vLLM loads ``register`` through its ``vllm.general_plugins`` entry point in every process. It is
+inert unless ``KVASYNC_VLLM=1`` or one of ``KVASYNC_SHARE``, ``KVASYNC_DEVICE_BUDGET``,
+``KVASYNC_MEMORY_LIMIT`` is set (sizes like ``12GiB``); ``KVASYNC_NAME`` names the engine in
+``kvasync top``; ``KVASYNC_PREFIX_CACHE`` bounds the freed blocks that stay mapped for prefix
+reuse (``0``, ``2GiB``; all the budget allows when unset).
+
+Note [vLLM seams]
+~~~~~~~~~~~~~~~~~
+vLLM v1 at TP=1 runs its scheduler and its worker in one process (the EngineCore; with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the caller's): one kvasync allocator serves both.
+
+- Worker: ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` returns, for each
+  attention layer, an int8 tensor of ``num_blocks * page_size_bytes`` that vLLM reshapes for its
+  attention backend. The plugin returns views over a kvasync allocator's virtual ranges instead
+  (one range per layer, a kvasync block of exactly ``page_size_bytes``: ``_worker.kv_layout_for``),
+  so block id ``b`` is the same bytes for vLLM and kvasync, and the attention kernels run
+  unchanged. Capacity is reserved, nothing but the null block's page is mapped.
+- Capacity: ``Worker.determine_available_memory(self)`` is where vLLM profiles free memory and
+  sizes the cache. The plugin sets ``cache_config.kv_cache_memory_bytes`` to kvasync's capacity
+  (``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) before calling it, which is vLLM's
+  own branch that still runs the profile (compile) pass but does not size by free memory; and
+  ``gpu_worker.request_memory(init_snapshot, cache_config)``, vLLM's start-up check that the
+  free memory covers ``gpu_memory_utilization``, no longer refuses a GPU another engine uses.
+- Scheduler: ``kv_cache_coordinator.BlockPool`` is the class the coordinator builds; the plugin
+  puts a subclass there (``_pool``, Note [Who owns a free block]) whose free blocks are those
+  the allocator hands out, on mapped pages. A shortage is vLLM's ordinary scheduling miss.
+
+Note [Checked patches]
+~~~~~~~~~~~~~~~~~~~~~~
+Each patch names the attribute, the parameters it must have, and the vLLM versions it was
+tested with (``TESTED``). ``register`` refuses, at start, a vLLM outside ``TESTED`` with a
+message naming the tested versions, and refuses any seam whose attribute is missing or whose
+signature differs, before patching anything: a half-patched vLLM (scheduler patched, worker
+not) is how the reference allocator hangs. ``KVASYNC_VLLM_ANY_VERSION=1`` lifts the version
+check (never the signature checks), for trying a new release.
+
+Note [Page ids across processes and ranks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The scheduler decides block ids; a block id is the same page id in every process, because every
+rank's KV tensors have the same geometry (heads split evenly). CUDA VMM mappings are per
+process, so with the multiprocess executor or TP > 1 the scheduler's allocator (host backend, or
+bookkeeping only) decides ids and each worker process maps them in its own range: the scheduler
+sends, with each step's ``SchedulerOutput``, the pages that became needed and the pages that
+may be unmapped (after the step that last read them), and a rank's mapper maps before the
+step's forward. A step waits until every rank has mapped, or fails within its deadline; no
+Python on the mapping path. Not built yet: with the worker in another process the pool finds
+no allocator in its process and refuses to start, saying so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._engine import EngineKV, current_engine
+from ._settings import PluginSettings, read_settings
+
+__all__ = ["TESTED", "UnsupportedVLLM", "register"]
+
+logger = logging.getLogger("kvasync.vllm")
+
+# vLLM releases the plugin was run against, end to end or through vLLM's own tests.
+TESTED: tuple[str, ...] = ("0.26.0",)
+ANY_VERSION = "KVASYNC_VLLM_ANY_VERSION"
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is not one the plugin was tested with, or a seam has changed."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One attribute the plugin replaces, and the parameters it must have."""
+
+    module: str
+    attribute: str  # "Name" or "Class.method"
+    parameters: tuple[str, ...]
+
+    def resolve(self) -> tuple[Any, str, Any]:
+        """(owner, name, current value).
+
+        Raises:
+            UnsupportedVLLM: the module, attribute or signature is not the expected one.
+        """
+        try:
+            owner: Any = importlib.import_module(self.module)
+        except ImportError as error:
+            raise UnsupportedVLLM(f"cannot import {self.module}: {error}") from error
+        *path, name = self.attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                raise UnsupportedVLLM(f"{self.module}.{self.attribute}: {part} is missing")
+        value = inspect.getattr_static(owner, name, None)
+        if value is None:
+            raise UnsupportedVLLM(f"{self.module}.{self.attribute} is missing")
+        target = value.__init__ if inspect.isclass(value) else value
+        found = tuple(inspect.signature(target).parameters)
+        if found != self.parameters:
+            raise UnsupportedVLLM(
+                f"{self.module}.{self.attribute} has parameters {found}, expected {self.parameters}"
+            )
+        return owner, name, getattr(owner, name)
+
+
+BLOCK_POOL = Seam(
+    "vllm.v1.core.kv_cache_coordinator",
+    "BlockPool",
+    (
+        "self",
+        "num_gpu_blocks",
+        "enable_caching",
+        "hash_block_size",
+        "enable_kv_cache_events",
+        "metrics_collector",
+    ),
+)
+# The methods of vLLM's BlockPool and FreeKVCacheBlockQueue that the pool overrides or calls.
+POOL_METHODS = (
+    Seam("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ("self",)),
+    Seam("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks")),
+    Seam("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("self", "ordered_blocks")),
+    Seam("vllm.v1.core.block_pool", "BlockPool.reset_prefix_cache", ("self",)),
+    Seam("vllm.v1.core.block_pool", "BlockPool.get_usage", ("self",)),
+    Seam("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", ("self", "block")),
+    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.popleft_n", ("self", "n")),
+    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.append_n", ("self", "blocks")),
+    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.remove", ("self", "block")),
+    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.get_all_free_blocks", ("self",)),
+)
+ALLOCATE = Seam(
+    "vllm.v1.worker.gpu_model_runner",
+    "GPUModelRunner._allocate_kv_cache_tensors",
+    ("self", "kv_cache_config"),
+)
+AVAILABLE_MEMORY = Seam("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory", ("self",))
+REQUEST_MEMORY = Seam(
+    "vllm.v1.worker.gpu_worker", "request_memory", ("init_snapshot", "cache_config")
+)
+
+_registered = False
+
+
+def vllm_version() -> str:
+    """The installed vLLM's release, without a local suffix (``0.26.0+cu129`` -> ``0.26.0``)."""
+    vllm = importlib.import_module("vllm")
+    return str(vllm.__version__).split("+", 1)[0]
+
+
+def check_version(version: str, env: dict[str, str] | None = None) -> None:
+    """Refuses a vLLM the plugin was not tested with.
+
+    Raises:
+        UnsupportedVLLM: ``version`` is not in ``TESTED`` (and ``KVASYNC_VLLM_ANY_VERSION`` is
+            not 1), naming the tested versions and how to go on.
+    """
+    env = dict(os.environ) if env is None else env
+    if version in TESTED or env.get(ANY_VERSION) == "1":
+        return
+    raise UnsupportedVLLM(
+        f"kvasync's vLLM plugin was tested with vLLM {', '.join(TESTED)}, not {version}: "
+        f"install one of those, or unset KVASYNC_SHARE/KVASYNC_DEVICE_BUDGET/"
+        f"KVASYNC_MEMORY_LIMIT/KVASYNC_VLLM to run vLLM without kvasync "
+        f"({ANY_VERSION}=1 tries it anyway; the seams are still checked)"
+    )
+
+
+def find_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
+    """The allocator the scheduler's pool uses: the one this process's worker opened, or (for
+    vLLM's scheduler tests, ``KVASYNC_VLLM_HOST_POOL=1``) a host-backend allocator of its own.
+
+    Raises:
+        RuntimeError: no worker registered one in this process (the worker runs elsewhere).
+    """
+    engine = current_engine()
+    if engine is not None:
+        return engine
+    if settings.host_pool:
+        return host_engine(num_gpu_blocks, settings)
+    raise RuntimeError(
+        "kvasync's vLLM plugin found no KV allocator in the scheduler's process: the worker "
+        "runs in another process (tensor parallelism or the multiprocess executor), which the "
+        "plugin does not support yet; run with tensor_parallel_size=1 and the default "
+        "(uniprocess) executor, or without kvasync"
+    )
+
+
+def host_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
+    """A host-backend allocator of ``num_gpu_blocks`` small blocks, for a pool with no worker."""
+    import torch
+
+    from ..._config import Config
+    from ..._layout import KVLayout
+    from ..._sync import open_allocator_sync
+    from ._engine import hold_null_block
+
+    # 4 KiB blocks on 64 KiB pages: 16 blocks a page, so tests see pages come and go.
+    layout = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)
+    kv = open_allocator_sync(
+        layout,
+        Config(
+            backend="host",
+            max_blocks=num_gpu_blocks,
+            page_size=64 << 10,
+            memory_limit=settings.memory_limit,
+            reserve_pages=(1, 2),
+        ),
+    )
+    hold_null_block(kv, kv.config.default_timeout)
+    return EngineKV(allocator=kv, owned=True)
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    setattr(owner, name, value)
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: installs the plugin when it is asked for.
+
+    Idempotent (vLLM calls it once per process, perhaps more). Checks everything first, then
+    patches.
+
+    Raises:
+        UnsupportedVLLM: an untested vLLM, or a seam that changed (nothing is patched then).
+        ValueError: a malformed ``KVASYNC_*`` variable.
+    """
+    global _registered
+    settings = read_settings()
+    if not settings.enabled or _registered:
+        return
+    check_version(vllm_version())
+    pool_owner, pool_name, block_pool = BLOCK_POOL.resolve()
+    for seam in POOL_METHODS:
+        seam.resolve()
+    worker = None
+    if not settings.host_pool:
+        worker = (ALLOCATE.resolve(), AVAILABLE_MEMORY.resolve(), REQUEST_MEMORY.resolve())
+        settings.capacity_bytes  # noqa: B018 - refuses a missing size now, not at the first request
+    from ._pool import make_block_pool_class
+
+    pool_class = make_block_pool_class(
+        block_pool, functools.partial(find_engine, settings=settings)
+    )
+    _replace(pool_owner, pool_name, pool_class)
+    if worker is not None:
+        _patch_worker(settings, *worker)
+    _registered = True
+    logger.info("kvasync: vLLM plugin installed (vLLM %s)", vllm_version())
+
+
+def _patch_worker(
+    settings: PluginSettings,
+    allocate: tuple[Any, str, Any],
+    available: tuple[Any, str, Any],
+    request: tuple[Any, str, Any],
+) -> None:
+    from ._worker import allocate_kv_cache_tensors
+
+    def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
+        return allocate_kv_cache_tensors(self, kv_cache_config, settings)
+
+    stock_available: Callable[[Any], int] = available[2]
+
+    def determine_available_memory(self: Any) -> int:
+        # vLLM's own branch for a given KV size: it runs the profile (compile) pass and skips
+        # the free-memory profile, which a neighbour's allocations or releases would upset.
+        self.cache_config.kv_cache_memory_bytes = settings.capacity_bytes
+        return stock_available(self)
+
+    stock_request: Callable[[Any, Any], int] = request[2]
+
+    def request_memory(init_snapshot: Any, cache_config: Any) -> int:
+        # The KV cache is not taken at start, so free memory need not cover
+        # gpu_memory_utilization; a busy GPU (a neighbour engine) is not a reason to refuse.
+        try:
+            return stock_request(init_snapshot, cache_config)
+        except ValueError:
+            return int(init_snapshot.free_memory)
+
+    _replace(allocate[0], allocate[1], kv_cache_tensors)
+    _replace(available[0], available[1], determine_available_memory)
+    _replace(request[0], request[1], request_memory)

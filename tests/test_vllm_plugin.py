@@ -1,0 +1,333 @@
+"""kvasync's vLLM plugin: its settings, its version and seam checks, and its block pool against
+vLLM's own BlockPool and KVCacheManager with a real host-backend allocator.
+
+The pool tests need vLLM importable (``make vllm-test`` builds such an environment); CI's venv has
+no vLLM, and they skip there, saying so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvasync import Config, KVLayout, OutOfBlocks, open_allocator_sync
+from kvasync.integrations import vllm as plugin
+from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
+from kvasync.integrations.vllm._pool import make_block_pool_class
+from kvasync.integrations.vllm._settings import read_settings
+
+try:
+    import vllm.v1.core.block_pool as vllm_block_pool
+    import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    VLLM_ERROR = ""
+except Exception as error:  # any import failure means: no vLLM here
+    VLLM_ERROR = (
+        f"vLLM is not importable here ({type(error).__name__}: {error}); run make vllm-test"
+    )
+
+needs_vllm = pytest.mark.skipif(bool(VLLM_ERROR), reason=VLLM_ERROR or "vLLM present")
+
+BLOCKS_PER_PAGE = 16  # host_engine's pages: 64 KiB of 4 KiB blocks
+DEADLINE = 10.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    """Waits for ``condition`` (the mapper thread's work) until a deadline."""
+    due = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > due:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.005)
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+def test_plugin_is_inert_without_kvasync_variables() -> None:
+    assert not read_settings({}).enabled
+    assert not read_settings({"KVASYNC_MEMORY_LIMIT": "1GiB", "KVASYNC_VLLM": "0"}).enabled
+
+
+def test_sizes_and_share_come_from_the_environment() -> None:
+    settings = read_settings(
+        {
+            "KVASYNC_SHARE": "gpu0",
+            "KVASYNC_DEVICE_BUDGET": "12GiB",
+            "KVASYNC_MEMORY_LIMIT": "512MiB",
+            "KVASYNC_NAME": "engine-a",
+            "KVASYNC_PREFIX_CACHE": "0",
+        }
+    )
+    assert settings.enabled
+    assert (settings.share, settings.device_budget, settings.memory_limit) == (
+        "gpu0",
+        12 << 30,
+        512 << 20,
+    )
+    assert settings.name == "engine-a"
+    assert settings.prefix_cache_bytes == 0
+    assert settings.capacity_bytes == 512 << 20
+    assert read_settings({"KVASYNC_VLLM": "1"}).prefix_cache_bytes is None
+
+
+def test_a_malformed_size_names_its_variable() -> None:
+    with pytest.raises(ValueError, match="KVASYNC_MEMORY_LIMIT"):
+        read_settings({"KVASYNC_MEMORY_LIMIT": "twelve gigs"})
+    with pytest.raises(ValueError, match="needs KVASYNC_SHARE"):
+        read_settings({"KVASYNC_DEVICE_BUDGET": "12GiB"})
+
+
+def test_no_size_is_refused_with_the_variables_to_set() -> None:
+    with pytest.raises(ValueError, match="KVASYNC_MEMORY_LIMIT or KVASYNC_DEVICE_BUDGET"):
+        _ = read_settings({"KVASYNC_VLLM": "1"}).capacity_bytes
+
+
+# -- version and seam checks -----------------------------------------------------------------
+
+
+def test_an_untested_vllm_is_refused_naming_the_tested_versions() -> None:
+    with pytest.raises(plugin.UnsupportedVLLM, match=r"tested with vLLM 0\.26\.0, not 0\.99\.0"):
+        plugin.check_version("0.99.0", env={})
+    plugin.check_version("0.26.0", env={})
+    plugin.check_version("0.99.0", env={plugin.ANY_VERSION: "1"})
+
+
+def test_register_refuses_an_untested_vllm_before_patching(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVASYNC_MEMORY_LIMIT", "1GiB")
+    monkeypatch.delenv(plugin.ANY_VERSION, raising=False)
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    before = None if VLLM_ERROR else vllm_coordinator.BlockPool
+    with pytest.raises(plugin.UnsupportedVLLM, match=r"0\.26\.0"):
+        plugin.register()
+    if not VLLM_ERROR:
+        assert vllm_coordinator.BlockPool is before
+
+
+def test_a_seam_with_another_signature_is_refused() -> None:
+    changed = plugin.Seam("kvasync._sync", "SyncAllocator.alloc", ("self", "n"))
+    with pytest.raises(plugin.UnsupportedVLLM, match="has parameters"):
+        changed.resolve()
+    missing = plugin.Seam("kvasync._sync", "SyncAllocator.no_such_method", ("self",))
+    with pytest.raises(plugin.UnsupportedVLLM, match="is missing"):
+        missing.resolve()
+    same = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids", "after"))
+    assert same.resolve()[1] == "free"
+
+
+@needs_vllm
+def test_every_seam_matches_this_vllm() -> None:
+    for seam in (plugin.BLOCK_POOL, *plugin.POOL_METHODS):
+        seam.resolve()
+
+
+# -- the block pool against vLLM's ----------------------------------------------------------
+
+
+@pytest.fixture
+def engines() -> Iterator[list[EngineKV]]:
+    """Host-backend engines the test opens; closed at its end."""
+    opened: list[EngineKV] = []
+    yield opened
+    for engine in opened:
+        engine.allocator.close()
+
+
+def open_engine(
+    engines: list[EngineKV],
+    num_blocks: int,
+    *,
+    memory_limit: int | None = None,
+    prefix_cache_blocks: int | None = None,
+) -> EngineKV:
+    settings = read_settings(
+        {"KVASYNC_VLLM": "1"}
+        if memory_limit is None
+        else {"KVASYNC_MEMORY_LIMIT": str(memory_limit)}
+    )
+    engine = plugin.host_engine(num_blocks, settings)
+    engine.prefix_cache_blocks = prefix_cache_blocks
+    engines.append(engine)
+    return engine
+
+
+def pool_class(engine: EngineKV) -> Any:
+    return make_block_pool_class(vllm_block_pool.BlockPool, lambda n: engine)
+
+
+def make_pool(engine: EngineKV, *, caching: bool = False) -> Any:
+    return pool_class(engine)(engine.allocator.num_blocks, caching, 16)
+
+
+@needs_vllm
+def test_blocks_come_only_from_mapped_pages_and_the_null_block_is_block_0(
+    engines: list[EngineKV],
+) -> None:
+    engine = open_engine(engines, 256)
+    pool = make_pool(engine)
+    kv = engine.allocator
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    blocks = pool.get_new_blocks(40)
+    ids = [b.block_id for b in blocks]
+    assert len(set(ids)) == 40 and 0 not in ids
+    assert all(b.ref_cnt == 1 for b in blocks)
+    stats = kv.stats()
+    assert stats.used_blocks == 41  # the null block and the 40
+    # Every block handed out is on a mapped page: the allocator refuses nothing of them.
+    assert not kv.allocator._pool.unallocated(ids)
+    assert stats.mapped_pages >= -(-41 // BLOCKS_PER_PAGE)
+
+
+@needs_vllm
+def test_free_blocks_go_back_to_the_allocator_and_pages_unmap(engines: list[EngineKV]) -> None:
+    engine = open_engine(engines, 512)
+    pool = make_pool(engine)
+    kv = engine.allocator
+    free_before = pool.get_num_free_blocks()
+    blocks = pool.get_new_blocks(200)  # grow: 13 pages
+    assert pool.get_num_free_blocks() == free_before - 200
+    grown = kv.stats().mapped_pages
+    assert grown >= 13
+    pool.free_blocks(reversed(blocks))
+    assert kv.stats().used_blocks == 1
+    # Pages being unmapped count again once unmapped (they are the mapper's meanwhile).
+    wait_until(lambda: pool.get_num_free_blocks() == free_before, "the free count back")
+    # Shrink: the reserve keeps at most its high watermark (2 pages) beyond the null block's.
+    wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping the freed pages")
+    assert kv.stats().mapped_pages < grown
+
+
+@needs_vllm
+def test_cached_blocks_stay_mapped_for_prefix_reuse_within_their_bound(
+    engines: list[EngineKV],
+) -> None:
+    engine = open_engine(engines, 256, prefix_cache_blocks=5)
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    blocks = pool.get_new_blocks(8)
+    for i, block in enumerate(blocks):
+        key = vllm_block_pool.make_block_hash_with_group_id(
+            vllm_block_pool.BlockHash(bytes([i]) * 32), 0
+        )
+        block.set_block_hash(key, num_tokens=16)
+        pool.cached_block_hash_to_block.insert(key, block)
+    pool.free_blocks(blocks)
+    # Five keep their entry (the last freed, as vLLM evicts the first freed first).
+    assert pool.free_block_queue.num_free_blocks == 5
+    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [
+        b.block_id for b in blocks[3:]
+    ]
+    assert kv.stats().used_blocks == 1 + 5
+    assert len(pool.cached_block_hash_to_block) == 5
+    # A hit takes a cached block back without the allocator.
+    pool.touch([blocks[7]])
+    assert pool.free_block_queue.num_free_blocks == 4
+    assert pool.reset_prefix_cache() is False  # block 7 is in use
+    pool.free_blocks([blocks[7]])
+    assert pool.reset_prefix_cache() is True
+    assert kv.stats().used_blocks == 1
+    assert len(pool.cached_block_hash_to_block) == 0
+
+
+def make_request(request_id: str, tokens: int) -> Any:
+    params = SamplingParams(max_tokens=17)
+    params.update_from_generation_config({}, eos_token_id=100)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(range(tokens)),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(16, sha256),
+    )
+
+
+def make_manager(monkeypatch: pytest.MonkeyPatch, engine: EngineKV, *, caching: bool) -> Any:
+    init_none_hash(sha256)
+    monkeypatch.setattr(vllm_coordinator, "BlockPool", pool_class(engine))
+    config = KVCacheConfig(
+        num_blocks=engine.allocator.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32),
+            )
+        ],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=4096,
+        enable_caching=caching,
+        hash_block_size=16,
+        scheduler_block_size=16,
+    )
+
+
+@needs_vllm
+def test_a_budget_shortage_is_a_scheduling_miss_and_preempting_frees_room(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    # Capacity of 1024 blocks, but a limit of 4 pages (64 blocks), the null block's included.
+    engine = open_engine(engines, 1024, memory_limit=4 * 64 << 10)
+    manager = make_manager(monkeypatch, engine, caching=False)
+    first, second = make_request("a", 40 * 16), make_request("b", 40 * 16)
+    assert manager.allocate_slots(first, 40 * 16) is not None
+    outcome: list[Any] = []
+    worker = threading.Thread(target=lambda: outcome.append(manager.allocate_slots(second, 640)))
+    worker.start()
+    worker.join(DEADLINE)
+    assert not worker.is_alive(), "allocate_slots hung on a budget shortage"
+    assert outcome == [None]  # a miss: vLLM keeps it waiting, or preempts
+    assert engine.allocator.stats().mapped_pages <= 4
+    manager.free(first)  # what vLLM's preemption does
+    assert manager.allocate_slots(second, 640) is not None
+    assert engine.allocator.stats().used_blocks == 1 + 40
+
+
+@needs_vllm
+def test_requests_grow_and_shrink_through_vllms_manager(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    engine = open_engine(engines, 2048)
+    manager = make_manager(monkeypatch, engine, caching=True)
+    kv = engine.allocator
+    requests = [make_request(str(i), 300 + i) for i in range(8)]
+    for request in requests:
+        assert manager.allocate_slots(request, request.num_tokens) is not None
+    held = sum(len(manager.get_block_ids(r.request_id)[0]) for r in requests)
+    assert kv.stats().used_blocks >= 1 + held
+    assert kv.stats().mapped_pages >= -(-held // BLOCKS_PER_PAGE)
+    for request in requests:
+        manager.free(request)
+    # Prompts of distinct tokens: their full blocks are cached (no bound given), the partial
+    # last blocks went back.
+    assert kv.stats().used_blocks == 1 + manager.block_pool.free_block_queue.num_free_blocks
+    assert manager.reset_prefix_cache()
+    assert kv.stats().used_blocks == 1
+    wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping after the requests ended")
+
+
+def test_the_null_block_is_refused_from_an_allocator_in_use() -> None:
+    layout = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)
+    config = Config(backend="host", max_blocks=256, page_size=64 << 10, reserve_pages=(0, 0))
+    with open_allocator_sync(layout, config) as kv:
+        held = kv.alloc(1, timeout=DEADLINE)
+        assert held == [0]
+        with pytest.raises(RuntimeError, match="null block"):
+            hold_null_block(kv, DEADLINE)
+        assert kv.stats().used_blocks == 1  # what it took on the way is given back
+        with pytest.raises(OutOfBlocks):
+            kv.alloc_nowait(257)
