@@ -41,7 +41,9 @@ engine (shared runs, from the share's ledger sampled every 50 ms: from a sample 
 blocked on the share's budget while another holds a page or more mapped beyond what it uses, to
 the first sample where that one's committed bytes dropped); KV memory held over time per engine
 (a plot, one panel per variant). A client gives up on a request with no token after
-``give_up_factor`` TTFT SLOs (it would miss the SLO anyway), which also bounds each run's drain.
+``give_up_factor`` TTFT SLOs (it would miss the SLO anyway); a run ends at its SLO horizon (the last
+arrival + the TTFT SLO + the longest output at the TPOT SLO: no request within both SLOs finishes
+later), and what is unfinished then is counted as cut.
 
 Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (issue 19's
 plugin, kvasync.integrations.vllm); it is not wired yet and says so.
@@ -80,7 +82,6 @@ SAMPLE_S = 0.02  # the workers' sampling interval
 # samples at 50 ms (members publish their used bytes and waiters every 100 ms anyway).
 LEDGER_SAMPLE_S = 0.05
 READY_TIMEOUT_S = 180.0  # a worker's import, engine open (static: maps its whole limit), warm-up
-DRAIN_S = 45.0  # past the last arrival's give-up, a run's unfinished requests are cut
 
 
 @dataclass(frozen=True)
@@ -397,10 +398,11 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
             sampler.start = start
         with memory, waiting, running:
             tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(trace)]
-            # A run ends DRAIN_S after its last arrival's give-up at the latest: what is still
-            # unfinished then is cut (recorded as abandoned), so that a stall costs a bounded
-            # time and the other variants still run.
-            _, late = await asyncio.wait(tasks, timeout=spec["duration"] + give_up + DRAIN_S)
+            # A run ends at its SLO horizon: the last arrival plus the TTFT SLO plus the longest
+            # output at the TPOT SLO, the latest any request within both SLOs can finish. What
+            # is unfinished then is cut (recorded as abandoned; it had missed the SLO already),
+            # so that a slow drain or a stall costs a bounded time.
+            _, late = await asyncio.wait(tasks, timeout=spec["duration"] + spec["horizon_s"])
             for task in late:
                 task.cancel()
             if late:
@@ -650,6 +652,7 @@ class Harness:
         configs: list[dict[str, Any]],
         share: str | None,
         give_up_s: float,
+        horizon_s: float,
         duration: float,
     ) -> VariantRun:
         self.runs += 1
@@ -668,6 +671,7 @@ class Harness:
                 config=config,
                 trace=str(trace_path),
                 give_up_s=give_up_s,
+                horizon_s=horizon_s,
                 duration=duration,
                 out=str(out),
             )
@@ -680,7 +684,7 @@ class Harness:
             worker.send(op="go", start_at=start_at)
         try:
             for worker in workers:
-                worker.expect("done", duration + give_up_s + DRAIN_S + 120)
+                worker.expect("done", duration + horizon_s + 120)
         finally:
             if watch is not None:
                 watch.stop()
@@ -1053,6 +1057,8 @@ class Case:
         self.runs: list[VariantRun] = []
         self.summaries: list[dict[str, Any]] = []
         self.give_up_s = regime.give_up_factor * regime.slo_ttft_s
+        longest_output = max(r.max_tokens for t in traces for r in t)
+        self.horizon_s = regime.slo_ttft_s + longest_output * regime.slo_tpot_s + 1.0
         self.total_pages = budget // geo.page_bytes
         longest = max(r.prompt_tokens + r.max_tokens for t in traces for r in t)
         # A static partition holds at least the longest request (else it refuses it).
@@ -1080,7 +1086,9 @@ class Case:
 
     def _run(self, label: str, configs: list[dict[str, Any]], share: str | None) -> dict[str, Any]:
         began = time.monotonic()
-        run = self.harness.run(label, self.traces, configs, share, self.give_up_s, self.duration)
+        run = self.harness.run(
+            label, self.traces, configs, share, self.give_up_s, self.horizon_s, self.duration
+        )
         self.runs.append(run)
         summary = summarize_variant(
             run, self.regime, self.regime.max_batch, self.geo.page_bytes, self.duration
@@ -1305,14 +1313,13 @@ def main() -> None:
         }
         memory4: Case | None = None
         compute: Case | None = None
+        # The goal's cases first (device time may run out): the largest N, then the compute-
+        # bound one, then the other Ns.
         plan: list[tuple[str, int]] = []
-        for n in args.engines:
-            if "memory" in args.cases:
-                plan.append(("memory", n))
-            if "compute" in args.cases and n == 2:
-                plan.append(("compute", 2))
-        if "compute" in args.cases and 2 not in args.engines:
-            plan.append(("compute", 2))
+        if "memory" in args.cases:
+            plan = [("memory", n) for n in args.engines]
+        if "compute" in args.cases:
+            plan.insert(min(1, len(plan)), ("compute", 2))
         for case_name, n in plan:
             if case_name == "memory":
                 traces = memory_bound_traces(regime, n, args.duration, hot_rate, args.seed)
