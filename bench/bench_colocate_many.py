@@ -498,14 +498,17 @@ class Worker:
             self.process.wait(timeout=10)
 
 
+# (seconds since start, [(member, committed, used, waiters, blocked, limit bytes)])
+LedgerSample = tuple[float, list[tuple[str, int, int, int, int, int]]]
+
+
 class LedgerWatch:
-    """Samples the share's ledger in a thread: (t since start, [(name, committed, used,
-    waiters, blocked)])."""
+    """Samples the share's ledger in a thread (``LedgerSample``s)."""
 
     def __init__(self, share: str, start_wall: float) -> None:
         self.share = share
         self.start_wall = start_wall
-        self.samples: list[tuple[float, list[tuple[str, int, int, int, int]]]] = []
+        self.samples: list[LedgerSample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -522,7 +525,14 @@ class LedgerWatch:
                 (
                     time.time() - self.start_wall,
                     [
-                        (e.name, e.committed_bytes, e.used_bytes, e.waiters, e.blocked)
+                        (
+                            e.name,
+                            e.committed_bytes,
+                            e.used_bytes,
+                            e.waiters,
+                            e.blocked,
+                            e.limit_bytes,
+                        )
                         for e in entries
                     ],
                 )
@@ -585,7 +595,7 @@ class EngineRun:
 class VariantRun:
     variant: str
     engines: list[EngineRun]
-    ledger: list[tuple[float, list[tuple[str, int, int, int, int]]]]
+    ledger: list[LedgerSample]
     gpu_busy: list[tuple[float, float]]
 
 
@@ -741,9 +751,7 @@ def queue_seconds(engine: EngineRun, max_batch: int) -> tuple[float, float]:
     return waited, integral(engine.waiting, for_memory)
 
 
-def reclaim_times(
-    samples: list[tuple[float, list[tuple[str, int, int, int, int]]]], page_bytes: int
-) -> tuple[list[float], int]:
+def reclaim_times(samples: list[LedgerSample], page_bytes: int) -> tuple[list[float], int]:
     """Episodes of "a member is blocked on the share's budget while another holds at least a page
     it does not use": the seconds until that one's committed bytes dropped. Returns (the times,
     episodes that ended without a drop: the waiter was served otherwise, or the run ended)."""
@@ -751,8 +759,8 @@ def reclaim_times(
     unresolved = 0
     open_since: dict[str, tuple[float, int]] = {}  # idle member -> (since, committed then)
     for t, entries in samples:
-        blocked = {name for name, _, _, _, b in entries if b > 0}
-        by_name = {name: (committed, used) for name, committed, used, _, _ in entries}
+        blocked = {name for name, _, _, _, b, _ in entries if b > 0}
+        by_name = {name: (committed, used) for name, committed, used, _, _, _ in entries}
         for name, (since, committed_then) in list(open_since.items()):
             committed = by_name.get(name, (0, 0))[0]
             if committed < committed_then:
@@ -771,12 +779,12 @@ def reclaim_times(
     return times, unresolved + len(open_since)
 
 
-def blocked_spans(samples: list[tuple[float, list[tuple[str, int, int, int, int]]]]) -> list[float]:
+def blocked_spans(samples: list[LedgerSample]) -> list[float]:
     """How long each member stayed blocked on the share's budget, span by span (seconds)."""
     spans: list[float] = []
     since: dict[str, float] = {}
     for t, entries in samples:
-        blocked = {name for name, _, _, _, b in entries if b > 0}
+        blocked = {name for name, _, _, _, b, _ in entries if b > 0}
         for name in list(since):
             if name not in blocked:
                 spans.append(t - since.pop(name))
@@ -946,8 +954,9 @@ def plot_case(
     slo_ttft: float,
     phases: list[tuple[float, int]] | None,
 ) -> Path:
-    """One row per variant: KV memory held per engine (left, with the budget), TTFT per request
-    per engine (right, with the SLO)."""
+    """One row per variant: KV memory held per engine (left, with the budget; dotted, a static
+    engine's partition or a shared member's limit in force from the ledger), TTFT per request per
+    engine (right, with the SLO)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -988,6 +997,23 @@ def plot_case(
                 ms=3,
                 color=color,
             )
+        if run.ledger:
+            # The limit in force per member (the share's cap under pressure), where below the
+            # budget: the policy's step-downs and regrowth, beside what each one mapped.
+            for index, engine in enumerate(run.engines):
+                member = engine.name.rsplit(" ", 1)[-1]
+                cap = [
+                    (t, next((e[5] for e in entries if e[0] == member), budget))
+                    for t, entries in run.ledger
+                ]
+                memory_ax.step(
+                    [t for t, _ in cap],
+                    [min(c, budget) / MIB for _, c in cap],
+                    where="post",
+                    color=colors[index % len(colors)],
+                    ls=":",
+                    lw=0.8,
+                )
         memory_ax.axhline(budget / MIB, color="k", ls="--", lw=0.8, label="budget")
         if phases:
             for start, hot in phases:
@@ -1298,7 +1324,8 @@ def main() -> None:
             f"({target / MIB:.0f} MiB, {hot_batch} requests), more than a 1/N partition. "
             f"Little's law with the step time at that batch: {rate0:.2f} req/s. Replayed for "
             f"{args.calibration_s:.0f} s on one engine alone, that rate held "
-            f"{held0 / MIB:.0f} MiB once steady (requests lived {mean_life:.2f} s), so the hot "
+            f"{held0 / MIB:.0f} MiB once steady (requests lived {mean_life:.2f} s; estimated "
+            f"{step_hot * (prefill_steps + mean_output):.2f} s), so the hot "
             f"rate is {rate0:.2f} x {scale:.3g} (target / held, within [1/4, 2]) = {hot_rate:.2f} "
             f"req/s; cold engines get {regime.cold_weight:.0%} of it; bursts x"
             f"{regime.burst_factor} for {regime.burst_s} s, {regime.bursts_per_min:g}/min per "
