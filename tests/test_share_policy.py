@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvasync
 from kvasync import _core, ledger
@@ -160,7 +160,6 @@ class SharePolicyMachine(RuleBasedStateMachine):
         self.kvs[index].set_demand(blocks)
         self.reported[index] = (blocks, time.monotonic())
 
-    @precondition(lambda self: any(self.held))
     @rule(index=members)
     def claim_from_an_idle_member(self, index: int) -> None:
         # Every other member goes idle, keeping its freed pages as reserve; this one then asks
@@ -204,7 +203,7 @@ class SharePolicyMachine(RuleBasedStateMachine):
 TestSharePolicy = SharePolicyMachine.TestCase
 TestSharePolicy.settings = settings(
     max_examples=EXAMPLES,
-    stateful_step_count=15,
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
