@@ -811,3 +811,53 @@ async def test_free_and_alloc_nowait_work_from_another_thread(backend_name, smal
         assert not set(got) & set(taken)
         kv.free(got + taken + held[20:])
         assert kv.stats().used_blocks == 0
+
+
+async def test_alloc_observers_see_every_alloc_hot_and_cold_until_removed(
+    backend_name, small_layout, bpp, caplog
+):
+    async with kvasync.open_allocator(
+        small_layout, config(backend_name, reserve_pages=(0, 0))
+    ) as kv:
+        seen: list[tuple[str, bool, float]] = []
+
+        def first(waited: bool, seconds: float) -> None:
+            seen.append(("first", waited, seconds))
+
+        def broken(waited: bool, seconds: float) -> None:
+            raise RuntimeError("an observer's own bug")
+
+        remove_first = kv.add_alloc_observer(first)
+        remove_again = kv.add_alloc_observer(first)  # the same callable twice: called twice
+        remove_broken = kv.add_alloc_observer(broken)
+        cold = await kv.alloc(2)  # waits for a map
+        hot = await kv.alloc(1)  # answered from the mapped page
+        assert [(who, waited) for who, waited, _ in seen] == [
+            ("first", True),
+            ("first", True),
+            ("first", False),
+            ("first", False),
+        ]
+        assert all(0.0 <= seconds < 5.0 for _, _, seconds in seen)
+        # The broken observer was logged twice, and each alloc still got its blocks.
+        assert [r.message for r in caplog.records if r.name == "kvasync"].count(
+            "an alloc observer raised; the alloc is unaffected"
+        ) == 2
+        assert len(cold) == 2 and len(hot) == 1
+        remove_again()
+        remove_again()  # idempotent: removes one entry only
+        remove_broken()
+        kv.alloc_nowait(1)  # not observed
+        await kv.alloc(1)
+        assert [who for who, _, _ in seen[4:]] == ["first"]
+        remove_first()
+        await kv.alloc(1)
+        assert len(seen) == 5
+        with pytest.raises(TypeError, match="observer must be callable"):
+            kv.add_alloc_observer(42)  # type: ignore[arg-type]
+        # One duration per successful map job, each taken once.
+        durations = kv.take_map_seconds()
+        assert len(durations) == 1 and 0.0 < durations[0] < 5.0
+        assert kv.take_map_seconds() == []
+        await kv.alloc(bpp)  # past the first page: one more map
+        assert len(kv.take_map_seconds()) == 1

@@ -117,3 +117,29 @@ def test_two_allocators_in_one_registry_are_told_apart_by_the_allocator_label():
         metrics.register(third, registry).unregister()  # the names are free again
         first.free(held[0])
         second.free(held[1])
+
+
+def test_an_allocator_in_two_registries_is_observed_by_each_until_unregistered():
+    # Through Allocator.add_alloc_observer: was one exporter per allocator, the latest.
+    with kvasync.open_allocator_sync(LAYOUT, kvasync.Config(backend="host")) as kv:
+        registries = [CollectorRegistry(), CollectorRegistry()]
+        registrations = [metrics.register(kv, registry) for registry in registries]
+        held = [kv.alloc(2, timeout=5.0) for _ in range(3)]
+        hot = (("allocator", "kv"), ("path", "hot"))
+        cold = (("allocator", "kv"), ("path", "cold"))
+
+        def allocs(registry: CollectorRegistry) -> float:
+            samples = scrape(registry)
+            return (
+                samples[("kvasync_alloc_latency_seconds_count", hot)]
+                + samples[("kvasync_alloc_latency_seconds_count", cold)]
+            )
+
+        assert [allocs(registry) for registry in registries] == [3, 3]
+        registrations[0].unregister()
+        held.append(kv.alloc(2, timeout=5.0))
+        assert allocs(registries[1]) == 4
+        registrations[1].unregister()
+        kv.free(kv.alloc(2, timeout=5.0))
+        assert "kvasync_" not in generate_latest(registries[1]).decode()
+        kv.free([block for blocks in held for block in blocks])

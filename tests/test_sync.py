@@ -274,3 +274,28 @@ def test_a_memory_limit_below_one_page_says_what_a_page_costs_and_why(contiguous
         assert "Raise memory_limit to at least that" in message
         kv.resize(memory_limit=page, timeout=5.0)  # one page is enough
         assert kv.stats().memory_limit_pages == 1
+
+
+def test_alloc_observers_see_the_allocs_of_the_facades_threads():
+    cfg = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        seen: list[bool] = []
+        remove = kv.add_alloc_observer(lambda waited, seconds: seen.append(waited))
+        held: list[int] = []
+
+        def allocate() -> None:
+            held.extend(kv.alloc(PER_PAGE, timeout=5.0))
+
+        threads = [threading.Thread(target=allocate) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10.0)
+        assert not any(thread.is_alive() for thread in threads)
+        assert len(seen) == 4 and len(set(held)) == 4 * PER_PAGE  # each alloc observed once
+        assert seen.count(True) >= 1  # the first at least waited for its map
+        assert len(kv.take_map_seconds()) >= 1
+        remove()
+        kv.free(kv.alloc(1, timeout=5.0))
+        assert len(seen) == 4
+        kv.free(held)

@@ -16,12 +16,32 @@ ownership of a result is settled here, on one thread:
 
 Every wait has a deadline: a timer at the deadline settles the request even if the mapper never
 answers (a hung driver call), and close() waits for the mapper thread at most its timeout.
+
+Note [Fork]
+~~~~~~~~~~~
+An allocator belongs to the process that opened it. A forked child inherits the Python object and
+a copy of the pool's memory, but none of its threads: no mapper, no loop thread of a blocking
+facade, no ledger watcher, and a lock that one of them held at the fork stays held for good. A call
+there would wait for a thread that does not exist (``SyncAllocator.alloc`` of blocks that needed a
+map never returned). So every method first checks that it runs in the process that opened the
+allocator and otherwise raises ``AllocatorClosed`` saying so; the properties (``layout``,
+``config``, ...) still describe it. The check compares two ints: the opener's pid, stored at open,
+and ``_Process.pid``, which an ``os.register_at_fork`` hook refreshes in every child (a fork made
+by C code without Python's hooks is not seen).
+
+``close()`` in the child closes nothing: the mappings, the memory (the host backend's pages are
+shared memory), the share's ledger entry and the event loop's epoll set (shared across fork: a
+removed reader would vanish from the parent's loop too) are all the parent's. The C++ pool is
+never destroyed there either: the mapper thread's reference to it was copied with the memory, and
+no thread is left in the child to drop it. A child opens an allocator of its own, which joins a
+share anew under its own pid.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -51,6 +71,36 @@ _CLOSE_GRACE_S = 5.0
 _SPIN_S = 250e-6
 
 
+class _Process:
+    """This process's id, refreshed in a forked child (Note [Fork]): read on every call, where
+    ``os.getpid()`` would be a system call."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def after_fork_in_child(cls) -> None:
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_Process.after_fork_in_child)
+
+
+def _forked_error(opened_in: int) -> AllocatorClosed:
+    return AllocatorClosed(
+        f"this allocator was opened in process {opened_in}; this is process {_Process.pid}, a "
+        "forked child, where its mapper and loop threads do not exist: a forked child must open "
+        "its own allocator (kvasync.open_allocator or open_allocator_sync)"
+    )
+
+
+@dataclass(eq=False)
+class _AllocObserver:
+    """One ``add_alloc_observer`` registration: compared by identity, so that the same callable
+    added twice is two entries."""
+
+    callback: Callable[[bool, float], object]
+
+
 @dataclass
 class _Pending:
     future: asyncio.Future[list[int]]
@@ -76,6 +126,9 @@ class Allocator:
     inside a running event loop. ``alloc``, ``trim``, ``resize`` and ``close`` are called from
     that loop; ``free`` and ``alloc_nowait`` never wait and may be called from any thread (the
     C++ pool is locked; a waiter they serve is completed through the loop's eventfd).
+
+    It belongs to the process that opened it: in a forked child every method raises
+    ``AllocatorClosed`` and ``close()`` touches nothing (Note [Fork]); open another there.
     """
 
     def __init__(
@@ -95,6 +148,7 @@ class Allocator:
         # None only for an allocator opened under trio (open() passes it; _loops drives it).
         trio = loop is None and _loops.current_library() == "trio"
         _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=trio)
+        self._opened_in = _Process.pid  # Note [Fork]
         self._layout = layout
         self._config = config
         self._loop = loop
@@ -137,8 +191,8 @@ class Allocator:
         self._loop_thread = threading.get_ident()  # where completions drain (opened there)
         self._trio: _loops.TrioDriver | None = None
         self._library = "asyncio"
-        # kvasync.integrations.metrics sets this: called with (waited, seconds) for every
-        # successful alloc.
+        # add_alloc_observer: _observe is None while there is none, so that alloc reads no clock.
+        self._observers: tuple[_AllocObserver, ...] = ()
         self._observe: Callable[[bool, float], None] | None = None
         self._stall = _log.StallWatch(config.stall_warning)
         self._stall_period = min(max(config.stall_warning / 2, 0.05), 1.0)
@@ -202,8 +256,11 @@ class Allocator:
             OutOfBlocks: ``n`` can never fit (capacity or memory limit), raised at once.
             AllocTimeout: the deadline passed; the message says what it waited for.
             MapError: the backend failed to map the pages this request needed.
-            AllocatorClosed: the allocator is (or was, while waiting) closed.
+            AllocatorClosed: the allocator is (or was, while waiting) closed, or this is a forked
+                child of the process that opened it (Note [Fork]).
         """
+        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
+            raise _forked_error(self._opened_in)
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         observe = self._observe
@@ -247,6 +304,8 @@ class Allocator:
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
+        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
+            raise _forked_error(self._opened_in)
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         result = self._pool.alloc_nowait(n)
@@ -273,6 +332,7 @@ class Allocator:
         others are held to theirs while it waits). Free blocks of draining pages do not count
         (see ``drain_from``). 0 once closed.
         """
+        self._check_process()
         return int(self._pool.available_blocks())
 
     def set_demand(self, blocks: int) -> None:
@@ -283,6 +343,7 @@ class Allocator:
         csrc/ledger/ledger.h): the report counts for 5 s, or until the next one, beside what the
         pool sees itself (blocks held and waited for). Without a share it changes nothing.
         """
+        self._check_process()
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
             raise ValueError(f"demand must be a number of blocks >= 0, got {blocks!r}")
         self._pool.set_demand(min(blocks, self.num_blocks))
@@ -297,6 +358,7 @@ class Allocator:
         blocks ``>= drain_from()`` (preempting the requests holding them) gives the memory back
         at once rather than when those requests end. None when nothing drains, or once closed.
         """
+        self._check_process()
         block = int(self._pool.drain_from_block())
         return None if block < 0 else block
 
@@ -313,6 +375,8 @@ class Allocator:
             ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
                 usable here; nothing is freed then.
         """
+        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
+            raise _forked_error(self._opened_in)
         if type(ids) is not list:  # a list goes straight to the pool, which checks its items
             ids = _validate.block_ids(ids, "ids")
         if after is None:
@@ -343,6 +407,7 @@ class Allocator:
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
         """
+        self._check_process()
         due = self._deadline(timeout, None)
         request = self._pool.trim(self._pool_deadline(due), release_handles)
         if request:
@@ -367,6 +432,7 @@ class Allocator:
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
         """
+        self._check_process()
         if memory_limit is not None:
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
@@ -395,6 +461,7 @@ class Allocator:
             ValueError: an id not allocated or out of range, or ``out`` of the wrong shape, dtype
                 or device. Nothing is launched then.
         """
+        self._check_process()
         from . import _block_ops
 
         return _block_ops.gather(
@@ -413,6 +480,7 @@ class Allocator:
             ValueError: an id not allocated, out of range or repeated, or ``src`` of the wrong
                 shape, dtype or device. Nothing is launched then.
         """
+        self._check_process()
         from . import _block_ops
 
         _block_ops.scatter(
@@ -430,6 +498,7 @@ class Allocator:
         Raises:
             ValueError: an id not allocated or out of range. Nothing is launched then.
         """
+        self._check_process()
         from . import _block_ops
 
         _block_ops.zero(
@@ -449,6 +518,7 @@ class Allocator:
             ValueError: ids not allocated, out of range, of different lengths, or a repeated
                 destination. Nothing is launched then.
         """
+        self._check_process()
         from . import _block_ops
 
         _block_ops.copy(
@@ -474,6 +544,7 @@ class Allocator:
             TypeError: ``index`` is not an int (or is a bool).
             IndexError: no such layer.
         """
+        self._check_process()
         index = _validate.index(index, "layer index", self._layout.num_layers)
         per = self._layout.kv_buffers
         return tuple(self._buffers[index * per : (index + 1) * per])
@@ -505,11 +576,65 @@ class Allocator:
 
     def stats(self) -> AllocatorStats:
         """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
+        self._check_process()
         return AllocatorStats.from_core(
             self._pool.stats(),
             self._page_bytes,
             self._layout.block_bytes * self._layout.num_buffers,
         )
+
+    # -- observers --------------------------------------------------------------------------
+
+    def add_alloc_observer(self, observer: Callable[[bool, float], object]) -> Callable[[], None]:
+        """Calls ``observer(waited, seconds)`` after every successful ``alloc``.
+
+        ``waited`` is False for an alloc answered at once from mapped free blocks (hot), True for
+        one that waited for a map or a free (cold); ``seconds`` runs from the call to its blocks.
+        It is called on the thread that made the alloc (a thread of a ``SyncAllocator`` too), so
+        it must be quick and thread-safe: a Prometheus histogram's ``observe`` is. An exception
+        it raises is logged (the ``kvasync`` logger) and does not fail the alloc. ``alloc_nowait``
+        is not observed. With no observer, ``alloc`` does not read the clock.
+
+        Args:
+            observer: a callable taking ``(waited: bool, seconds: float)``.
+
+        Returns:
+            A callable that removes this observer (idempotent). The same callable added twice is
+            called twice, and each handle removes one.
+
+        Raises:
+            TypeError: ``observer`` is not callable.
+            AllocatorClosed: called in a forked child (Note [Fork]).
+        """
+        self._check_process()
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {observer!r}")
+        entry = _AllocObserver(observer)
+        self._observers = (*self._observers, entry)
+        self._observe = self._notify_observers
+
+        def remove() -> None:
+            self._observers = tuple(o for o in self._observers if o is not entry)
+            if not self._observers:
+                self._observe = None
+
+        return remove
+
+    def take_map_seconds(self) -> list[float]:
+        """The seconds each successful map job took since the last call; forgets them.
+
+        Each duration is returned once (a batch's jobs share theirs), so one consumer should read
+        them: ``kvasync.integrations.metrics`` does at each scrape. At most 4096 are kept between
+        two calls; later ones are dropped until the next call.
+
+        Returns:
+            The durations, oldest first; ``[]`` when no map finished since the last call.
+
+        Raises:
+            AllocatorClosed: called in a forked child (Note [Fork]).
+        """
+        self._check_process()
+        return list(self._pool.take_map_seconds())
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -519,7 +644,8 @@ class Allocator:
         Finishes within ``timeout`` even with the mapper stuck in a driver call: the thread is
         then abandoned (it ends by itself when the call returns) and its mappings are left to it.
         The wait runs on a thread of its own, so a default executor the application keeps busy
-        does not delay it. Idempotent.
+        does not delay it. Idempotent. In a forked child it returns at once and touches nothing:
+        the pages and the share's ledger entry are the parent's (Note [Fork]).
 
         Args:
             timeout: seconds to wait for the mapper thread; ``default_timeout`` when None.
@@ -529,6 +655,8 @@ class Allocator:
             ValueError: ``timeout`` is negative, NaN or infinite.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
+        if self._opened_in != _Process.pid:
+            return  # Note [Fork]: nothing here is this process's to close
         if self._trio is not None:
             await self._trio.close(wait)
             return
@@ -630,6 +758,17 @@ class Allocator:
             f"maps page_size ({format_bytes(self._page_size)}) in {spans}. Raise memory_limit "
             "to at least that, or lower Config.page_size where the backend allows it"
         )
+
+    def _check_process(self) -> None:
+        if self._opened_in != _Process.pid:
+            raise _forked_error(self._opened_in)
+
+    def _notify_observers(self, waited: bool, seconds: float) -> None:
+        for entry in self._observers:
+            try:
+                entry.callback(waited, seconds)
+            except Exception:  # the blocks are allocated: an observer's bug must not lose them
+                _log.logger.exception("an alloc observer raised; the alloc is unaffected")
 
     @staticmethod
     def _check_timeout(timeout: float) -> float:
@@ -809,6 +948,13 @@ class _DriverPort:
         self.loop_thread: int = allocator._loop_thread
         # The pool's bound method: a worker thread running it holds the pool, never the allocator.
         self.close_pool: Callable[[float], object] = allocator._pool.close
+
+    def check_process(self) -> None:
+        self._kv._check_process()
+
+    @property
+    def forked(self) -> bool:
+        return self._kv._opened_in != _Process.pid
 
     def drain(self) -> None:
         self._kv._on_completions()

@@ -42,6 +42,14 @@ class RequestSource(Protocol):
     def loop_thread(self) -> int:
         """The thread that drains the completions: a blocking call there would wait for itself."""
 
+    @property
+    def forked(self) -> bool:
+        """Whether this is a forked child of the process that opened the allocator, where its
+        threads do not exist (Note [Fork] in _allocator)."""
+
+    def check_process(self) -> None:
+        """Raises ``AllocatorClosed`` in such a forked child."""
+
     def check_count(self, n: object) -> int:
         """``n`` as a number of blocks, checked as ``Allocator.alloc`` checks it."""
 
@@ -130,6 +138,7 @@ class SyncAllocator:
             RuntimeError: called on the thread of the loop that owns the allocator.
         """
         source = self._source
+        source.check_process()  # Note [Fork]: the loop thread that would answer is not here
         n = source.check_count(n)
         due = self._due(timeout, deadline)
         self._check_thread()
@@ -169,6 +178,7 @@ class SyncAllocator:
         if type(release_handles) is not bool:
             raise TypeError(f"release_handles must be a bool, got {release_handles!r}")
         source = self._source
+        source.check_process()
         due = self._due(timeout, None)
         self._check_thread()
         self._call(lambda: source.start_trim(due, release_handles), due, "trim")
@@ -176,6 +186,7 @@ class SyncAllocator:
     def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
         source = self._source
+        source.check_process()
         if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
             raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
         pages = source.limit_pages(memory_limit)
@@ -243,11 +254,24 @@ class SyncAllocator:
         """The async allocator underneath (bound to its loop)."""
         return self._kv
 
+    # -- observers --------------------------------------------------------------------------
+
+    def add_alloc_observer(self, observer: Callable[[bool, float], object]) -> Callable[[], None]:
+        """As ``Allocator.add_alloc_observer``: called after every successful ``alloc`` of the
+        allocator underneath, from this facade's threads and from its loop alike."""
+        return self._kv.add_alloc_observer(observer)
+
+    def take_map_seconds(self) -> list[float]:
+        """As ``Allocator.take_map_seconds``."""
+        return self._kv.take_map_seconds()
+
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self, *, timeout: float | None = None) -> None:
         """Closes the allocator and stops the private loop thread, within ``timeout`` (plus a
-        second for the thread to end). Idempotent.
+        second for the thread to end). Idempotent. In a forked child it returns at once and
+        touches nothing: the allocator, its loop thread and its pages are the parent's
+        (Note [Fork] in _allocator).
 
         Raises:
             RuntimeError: this facade wraps an allocator of another loop: close it there.
@@ -265,6 +289,8 @@ class SyncAllocator:
         if self._closed:
             return
         self._closed = True
+        if self._source.forked:
+            return
         try:
             self._owner.run(self._kv.close(timeout=wait), wait + 1.0, "close")
         finally:

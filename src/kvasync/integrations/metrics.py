@@ -3,7 +3,9 @@
 ``register(kv)`` exports an allocator to a registry. Gauges and counters are read from one
 ``kv.stats()`` snapshot per scrape, so they agree with ``stats()`` and with each other; the
 latency histograms are fed as allocs complete (hot: answered without waiting; cold: waited for a
-map or a free) and, for maps, from the durations the mapper records (drained at each scrape).
+map or a free; ``Allocator.add_alloc_observer``) and, for maps, from the durations the mapper
+records (``Allocator.take_map_seconds``, drained at each scrape: an allocator registered in two
+registries gives each map's duration to the one scraped first).
 
 A registry holds each metric name once, so every allocator registered in one registry (under one
 prefix) is a sample of the same metrics, told apart by the ``allocator`` label: one collector
@@ -71,6 +73,8 @@ class AllocatorCollector:
         self._hot = export.alloc_latency.labels(name, "hot")
         self._cold = export.alloc_latency.labels(name, "cold")
         self.maps = export.map_latency.labels(name)
+        # Through the allocator's public hook; each registration observes on its own.
+        self._stop_observing = allocator.add_alloc_observer(self.observe_alloc)
 
     def observe_alloc(self, waited: bool, seconds: float) -> None:
         (self._cold if waited else self._hot).observe(seconds)
@@ -78,8 +82,7 @@ class AllocatorCollector:
     def unregister(self) -> None:
         """Removes this allocator's samples (and, with the last one, the metrics). Idempotent."""
         self._export.remove(self)
-        if self.allocator._observe == self.observe_alloc:
-            self.allocator._observe = None
+        self._stop_observing()
 
 
 class _RegistryExport(Collector):
@@ -137,7 +140,7 @@ class _RegistryExport(Collector):
             for suffix, _, help_text in _COUNTERS
         ]
         for member in members:
-            for seconds in member.allocator._pool.take_map_seconds():
+            for seconds in member.allocator.take_map_seconds():
                 member.maps.observe(seconds)
             stats = member.allocator.stats()
             for gauge, (_, field, _) in zip(gauges, _GAUGES, strict=True):
@@ -216,5 +219,4 @@ def register(
             exports[prefix] = export
         member = AllocatorCollector(export, allocator, label)
         export.members[label] = member
-    allocator._observe = member.observe_alloc  # one exporter per allocator: the latest
     return member
