@@ -95,15 +95,19 @@ def imported_names(tree: ast.Module, module: str, files: dict[str, Path]) -> Ite
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            else:
-                source = node.module or ""
+            source = from_source(node, package)
             for alias in node.names:
                 candidate = f"{source}.{alias.name}"
                 yield candidate if candidate in files else source
+
+
+def from_source(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from X import ...`` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def owner(name: str, files: dict[str, Path]) -> str | None:
@@ -208,6 +212,77 @@ def back_arrows(ours: dict[str, set[str]], outside: dict[str, set[str]]) -> list
     return found
 
 
+def room(module: str) -> str:
+    """The consumer room a module is in: its subpackage of kvasync (``kvasync.serve``), or the
+    module itself for a top-level one (``kvasync.cli``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def import_bindings(tree: ast.Module, module: str, files: dict[str, Path]) -> dict[str, str]:
+    """Each name an import binds in ``tree`` (at any depth) -> the absolute name it stands for."""
+    package = module if is_package(module, files) else module.rpartition(".")[0]
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    head = alias.name.partition(".")[0]
+                    bound[head] = head
+        elif isinstance(node, ast.ImportFrom):
+            source = from_source(node, package)
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return bound
+
+
+def private_accesses(sources: dict[Path, str]) -> list[str]:
+    """``module:line: X._name`` for each private attribute a consumer module reads or sets on
+    something other than ``self``, ``cls``, ``super()``, a module of its own room, or a name
+    imported from outside kvasync (``os._exit``; a host project's class it patches).
+
+    What a consumer needs of a core object, the object offers publicly (a documented method or
+    property); reaching into its privates ties the consumer to the core's insides. A name not
+    bound by an import (a parameter, a local) is taken for an object of ours: it is one here.
+    """
+    files = module_files(sources)
+    found = []
+    for module, path in sorted(files.items()):
+        if is_core(module) or path.suffix == ".pyi" or module.startswith(f"{PACKAGE}.kernels"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        bound = import_bindings(tree, module, files)
+        private = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not _allowed_owner(node.value, bound, module, files)
+        ]
+        private.sort(key=lambda node: (node.lineno, node.col_offset))
+        found += [f"{module}:{node.lineno}: {ast.unparse(node)}" for node in private]
+    return found
+
+
+def _allowed_owner(
+    value: ast.expr, bound: dict[str, str], module: str, files: dict[str, Path]
+) -> bool:
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return value.func.id == "super"
+    if not isinstance(value, ast.Name):
+        return False  # a chain (member.allocator._pool) or a call's result
+    if value.id in ("self", "cls"):
+        return True
+    target = bound.get(value.id)
+    if target is None:
+        return False  # a parameter or a local: an object of ours
+    ours = owner(target, files)
+    return ours is None or (not is_core(ours) and room(ours) == room(module))
+
+
 def _in_any(module: str, packages: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
@@ -265,6 +340,14 @@ def test_import_kvasync_loads_no_consumer_and_no_consumer_library() -> None:
     modules = loaded.stdout.split()
     assert "kvasync._allocator" in modules  # the probe sees what was imported
     assert [m for m in modules if not is_core(m)] == []  # kvasync._core (compiled) is core
+
+
+def test_no_consumer_reaches_into_a_private_attribute_of_a_core_object() -> None:
+    found = private_accesses(SOURCES)
+    assert not found, (
+        "consumers using private attributes (give the core object a public method instead):\n"
+        + "\n".join(found)
+    )
 
 
 # -- the checks fail when they should: a small package written for each case -------------------
@@ -351,3 +434,54 @@ def test_a_core_module_importing_a_consumer_is_found(
     )
     ours, outside = import_graph(sources)
     assert back_arrows(ours, outside) == [("kvasync._allocator", target)]
+
+
+def test_a_consumer_reaching_into_a_core_objects_privates_is_found(tmp_path: Path) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_allocator.py": "_GRACE = 5.0\nclass Allocator:\n    _pool = None\n",
+            "integrations/__init__.py": "",
+            "integrations/metrics.py": (
+                "from .. import _allocator\n"
+                "def register(allocator, member):\n"
+                "    allocator._observe = member.observe\n"  # set on a parameter
+                "    return member.allocator._pool.take_map_seconds()\n"  # through a chain
+                "def grace():\n"
+                "    return _allocator._GRACE\n"  # a core module's private name
+            ),
+        },
+    )
+    assert private_accesses(sources) == [
+        "kvasync.integrations.metrics:3: allocator._observe",
+        "kvasync.integrations.metrics:4: member.allocator._pool",
+        "kvasync.integrations.metrics:6: _allocator._GRACE",
+    ]
+
+
+def test_privates_of_self_of_the_own_room_and_of_outside_libraries_pass(tmp_path: Path) -> None:
+    sources = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_allocator.py": "",
+            "serve/__init__.py": "",
+            "serve/_records.py": "def _helper():\n    pass\n",
+            "serve/_engine.py": (
+                "import os\n"
+                "from vllm.v1.core.block_pool import BlockPool\n"
+                "from . import _records\n"
+                "class Engine(BlockPool):\n"
+                "    _limit = 1\n"
+                "    def step(self):\n"
+                "        _records._helper()\n"  # a module of its own room
+                "        super()._maybe_evict_cached_block(self._limit)\n"
+                "        return BlockPool._maybe_evict_cached_block, os._exit\n"
+                "    @classmethod\n"
+                "    def make(cls):\n"
+                "        return cls._limit\n"
+            ),
+        },
+    )
+    assert private_accesses(sources) == []
