@@ -129,7 +129,7 @@ async def replay(
         duration = time.monotonic() - start
         records = [r for r in engine.records() if r.arrival >= start]
         extra = {
-            # Blocks moved out of pages the allocator drained (co-location: Note [Drain]).
+            # Blocks moved out of pages the allocator drained (co-location: Note [Limit policy]).
             "moved blocks": float(engine.stats().moved_blocks),
             # Requests larger than the KV budget could ever hold (a budget set too small).
             "requests refused": float(refused),

@@ -399,7 +399,8 @@ def first_pages(layout: kvasync.KVLayout, count: int) -> list[list[int]]:
 
 
 async def test_a_lowered_limit_drains_the_pages_above_it(backend_name, small_layout):
-    # Note [Drain]: blocks in use on every page, so no page can be unmapped at once.
+    # Note [Limit policy], the drain: blocks in use on every page, so no page can be unmapped at
+    # once.
     page_bytes = small_layout.page_unit(PAGE) * small_layout.num_ranges
     pages = first_pages(small_layout, 4)
     cfg = config(backend_name, reserve_pages=(0, 0))
@@ -476,9 +477,9 @@ async def test_the_drain_covers_only_what_is_over_after_free_pages_go_back():
 
 
 async def test_a_map_in_flight_when_the_limit_drops_is_not_counted_on():
-    # Note [Waiters] with Note [Drain]: a waiter counted on a page being mapped for it; once the
-    # limit drops below it, that page drains as it lands, so the waiter's demand protects the
-    # free blocks again: a later request does not jump ahead of it.
+    # Note [Waiters] with Note [Limit policy] (the drain): a waiter counted on a page being mapped
+    # for it; once the limit drops below it, that page drains as it lands, so the waiter's demand
+    # protects the free blocks again: a later request does not jump ahead of it.
     page_bytes = UNIFORM.page_unit(PAGE) * UNIFORM.num_ranges
     faults = FaultInjector()
     cfg = kvasync.Config(

@@ -498,8 +498,9 @@ async def test_an_allocator_above_its_fair_share_gives_memory_back_to_one_short_
 async def test_an_allocator_over_its_fair_share_drains_and_the_other_counts_on_its_share(
     share: str,
 ) -> None:
-    # Note [Drain] with Note [Fair share under pressure]: `first` holds the whole budget with
-    # blocks in use on every page, so the fair-share limit alone would give nothing back.
+    # Note [Limit policy] (the drain) with Note [Fair share under pressure]: `first` holds the whole
+    # budget with blocks in use on every page, so the fair-share limit alone would give nothing
+    # back.
     config = no_reserve_config(share, 8 * PAGE)
     async with (
         kvasync.open_allocator(LAYOUT, config) as first,

@@ -178,10 +178,10 @@ async def test_a_step_that_raises_fails_every_request_with_the_reason() -> None:
 
 
 async def test_co_located_engines_one_over_its_fair_share_moves_out_for_the_other() -> None:
-    # Note [Drain] and Note [Fair share under pressure] as the engine sees them: A holds most of
-    # the share's budget with requests in use on every page; B's requests need B's fair share.
-    # A is held to its fair share and moves its requests' blocks out of its draining pages, B is
-    # served, and every request of both finishes with the output it has alone.
+    # Note [Limit policy] (the drain) and Note [Fair share under pressure] as the engine sees them:
+    # A holds most of the share's budget with requests in use on every page; B's requests need B's
+    # fair share. A is held to its fair share and moves its requests' blocks out of its draining
+    # pages, B is served, and every request of both finishes with the output it has alone.
     share = f"test-engine-{uuid.uuid4().hex[:12]}"
     budget = 8 * (256 << 10)  # 8 page ids of 32 blocks (tiny model, fp32, 64 KiB pages)
     common = {"share": share, "device_budget": budget, "max_blocks": 1024, "reserve_pages": (0, 0)}
@@ -215,8 +215,9 @@ async def test_co_located_engines_one_over_its_fair_share_moves_out_for_the_othe
 
 
 async def test_a_lowered_limit_moves_running_requests_below_it_without_changing_outputs() -> None:
-    # Note [Drain]: the operator lowers the limit of a busy engine (`kvasync limit`, resize):
-    # its pages above the new limit come back while its requests run on, moved below it.
+    # Note [Limit policy], the drain: the operator lowers the limit of a busy engine (`kvasync
+    # limit`, resize): its pages above the new limit come back while its requests run on, moved
+    # below it.
     page = 256 << 10  # one page id: 32 blocks
     short = ("s" * 300, 1)  # 19 blocks, done after one step
     long = [("w" * (150 + i), 60) for i in range(6)]  # 10 blocks each; 14 at the end

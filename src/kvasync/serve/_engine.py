@@ -447,11 +447,11 @@ class Engine:
             scheduler.make_room()
 
     async def _vacate_draining(self) -> None:
-        """Moves the running requests' blocks out of the pages the allocator drains (Note
-        [Drain] of kvasync's page pool), preempting the youngest holders only while the blocks
-        to move do not fit below the drain. A request alone whose blocks cannot fit is preempted
-        too: requeued, it is readmitted when memory allows, or fails with RequestFailed if the
-        lowered limit can never hold it."""
+        """Moves the running requests' blocks out of the pages the allocator drains (the drain of
+        Note [Limit policy] in kvasync's page pool), preempting the youngest holders only while the
+        blocks to move do not fit below the drain. A request alone whose blocks cannot fit is
+        preempted too: requeued, it is readmitted when memory allows, or fails with RequestFailed if
+        the lowered limit can never hold it."""
         drain = self.scheduler.draining()
         if drain is None:
             return

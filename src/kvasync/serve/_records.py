@@ -53,7 +53,7 @@ class EngineStats:
     finished: int
     failed: int
     preemptions: int
-    moved_blocks: int  # blocks moved out of pages the allocator drained (Note [Drain])
+    moved_blocks: int  # blocks moved out of the allocator's draining pages (Note [Limit policy])
     steps: int
     prompt_tokens: int
     output_tokens: int
