@@ -25,6 +25,7 @@ demand-weighted fair share, not to budget / members, when another process waits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -303,6 +304,83 @@ def test_a_process_steps_down_to_its_demand_weighted_share_not_to_half(
             assert a.committed_bytes == 5 * WORKER_PAGE  # not pushed below its fair share
             kv.free(got[0])
         call(worker, cmd="close")
+    finally:
+        if os.path.exists(ledger.path(share)):
+            os.unlink(ledger.path(share))
+
+
+def test_joining_while_another_process_holds_the_lock_fails_within_a_second_naming_it(
+    worker: subprocess.Popen[str],
+) -> None:
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    try:
+        call(worker, cmd="open", share=share, budget=8 * WORKER_PAGE, name="a", reserve=(0, 0))
+        assert worker.stdin is not None
+        worker.stdin.write(json.dumps({"cmd": "hold_lock", "share": share, "seconds": 30.0}))
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert read(worker)["holding"]
+        config = kvasync.Config(
+            backend="host",
+            max_blocks=64,
+            page_size=PAGE_SIZE,
+            share=share,
+            device_budget=8 * WORKER_PAGE,
+        )
+        start = time.monotonic()
+        with pytest.raises(kvasync.KVAsyncError, match=rf"by pid {worker.pid}\b"):
+            kvasync.open_allocator_sync(LAYOUT, config)
+        # One second for the lock (ShareMember::kJoinLockTimeout), then the error.
+        assert time.monotonic() - start < 1.0 + SLACK_S
+        with pytest.raises(kvasync.KVAsyncError, match=rf"by pid {worker.pid}\b"):
+            ledger.snapshot(share, timeout=0.05)
+    finally:
+        worker.kill()  # it dies holding the lock; a robust mutex, repaired by the next taker
+        worker.wait(timeout=10)
+        if os.path.exists(ledger.path(share)):
+            os.unlink(ledger.path(share))
+
+
+def test_a_flapping_demand_raises_a_members_limit_at_most_once_per_regrow_hold() -> None:
+    # Note [Fair share under pressure], no oscillation: `a` holds 6 of 8 pages in use; `b`
+    # reports a demand of 4 pages, then none, every 20 ms. Each report wakes the watchers, so
+    # without the hold `a`'s limit would fall and rise with every flap; with it, it rises at most
+    # once per kRegrowHold (300 ms), and never falls below min(demand, budget / members) = 4.
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    config = kvasync.Config(
+        backend="host",
+        max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
+        page_size=PAGE_SIZE,
+        reserve_pages=(0, 0),
+        share=share,
+        device_budget=BUDGET_PAGES * PAGE_BYTES,
+    )
+    run_s, flap_s, hold_s = 1.5, 0.02, 0.3
+    try:
+        with (
+            kvasync.open_allocator_sync(LAYOUT, dataclasses.replace(config, name="a")) as a,
+            kvasync.open_allocator_sync(LAYOUT, dataclasses.replace(config, name="b")) as b,
+        ):
+            held = a.alloc(6 * BLOCKS_PER_PAGE, timeout=5.0)
+            limits = [a.stats().memory_limit_pages]
+            start = time.monotonic()
+            next_flap, wanting = start, False
+            while time.monotonic() - start < run_s:
+                if time.monotonic() >= next_flap:
+                    wanting = not wanting
+                    b.set_demand(4 * BLOCKS_PER_PAGE if wanting else 0)
+                    next_flap += flap_s
+                limit = a.stats().memory_limit_pages
+                if limit != limits[-1]:
+                    limits.append(limit)
+                time.sleep(0.0005)  # pacing the flaps and the reads, not waiting for an event
+            b.set_demand(0)
+            falls = sum(after < before for before, after in itertools.pairwise(limits))
+            rises = sum(after > before for before, after in itertools.pairwise(limits))
+            assert falls >= 1, f"the flapping demand never held `a` down: {limits}"
+            assert rises <= math.ceil(run_s / hold_s) + 1, f"`a` oscillated: {limits}"
+            assert min(limits) >= 4, limits
+            a.free(held)
     finally:
         if os.path.exists(ledger.path(share)):
             os.unlink(ledger.path(share))

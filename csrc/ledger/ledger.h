@@ -70,7 +70,9 @@
 //     soon as the others' excess is unmapped or vacated, however hot they are.
 //   - Fast reclaim: when a member blocks or its demand rises, every watcher is woken at once
 //     (FUTEX_WAKE), and within that tick an idle member (no block in use) queues the unmap of
-//     every page it holds beyond max(1, f_i) and of its whole reserve. A watcher also ticks
+//     every page it holds beyond max(1, f_i) and of its whole reserve, and gives back the
+//     backend's cached handles (cuda's spare pages: device memory the ledger does not charge);
+//     the handles its unmaps leave go at the tick their release wakes. A watcher also ticks
 //     every kTick without a wake: the bound is one kTick (100 ms) plus the unmaps' own time.
 //   - No oscillation: a member's fair-share limit goes down at once (a step-down serves a
 //     waiter) but goes up again only kRegrowHold (LimitPolicy) after its last step-down, and

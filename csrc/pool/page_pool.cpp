@@ -1268,8 +1268,16 @@ void PagePool::limit_changed(bool fail_above_own) {
 }
 
 void PagePool::on_share_tick(ShareMember& member) {
+  // Note [Fair share under pressure]: under pressure the backend's cached handles (cuda's spare
+  // physical pages, kept for quick re-mapping and not charged to the share) go back too, once
+  // mutex_ is released (a driver call). The unmaps this tick queues land within the mapper's
+  // job time and wake every watcher (release_share): their handles go at that next tick.
+  if (share_tick_locked(member)) backend_->release_cached();
+}
+
+bool PagePool::share_tick_locked(ShareMember& member) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (closed_) return;
+  if (closed_) return false;
   const int64_t requested = member.take_requested_limit();
   const int64_t pages = static_cast<int64_t>(pages_.size());
   if (requested >= 0) {
@@ -1304,6 +1312,7 @@ void PagePool::on_share_tick(ShareMember& member) {
       count_[(int)PageState::kFree] * page_bytes, used_blocks_ * page_bytes / bpp,
       std::min<int64_t>(policy_.limit(), static_cast<int64_t>(pages_.size())) * page_bytes,
       static_cast<int64_t>(waiters_.size()), op, age);
+  return policy_.pressure();
 }
 
 }  // namespace kvasync

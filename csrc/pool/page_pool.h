@@ -290,6 +290,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   void publish_demand(Clock::time_point now);
   void release_share(int64_t pages);
   void limit_changed(bool fail_above_own);
+  bool share_tick_locked(ShareMember& member);  // takes mutex_; returns the share's pressure
 
   std::shared_ptr<Backend> backend_;
   PoolConfig config_;
