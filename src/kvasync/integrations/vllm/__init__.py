@@ -11,7 +11,9 @@ Note [vLLM seams]
 vLLM v1 at TP=1 runs its scheduler and its worker in one process (the EngineCore; with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the caller's): one kvasync allocator serves both.
 
-- Worker: ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` returns, for each
+- Worker: ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` (the V1 model
+  runner; ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, shared_layers, device)`` in the
+  V2 runner, 0.26's default for Llama-family models) returns, for each
   attention layer, an int8 tensor of ``num_blocks * page_size_bytes`` that vLLM reshapes for its
   attention backend. The plugin returns views over a kvasync allocator's virtual ranges instead
   (one range per layer, a kvasync block of exactly ``page_size_bytes``: ``_worker.kv_layout_for``),
@@ -141,6 +143,12 @@ ALLOCATE = Seam(
     "GPUModelRunner._allocate_kv_cache_tensors",
     ("self", "kv_cache_config"),
 )
+# The V2 model runner (vLLM's default for Llama-family models in 0.26) allocates here.
+ALLOCATE_V2 = Seam(
+    "vllm.v1.worker.gpu.attn_utils",
+    "_allocate_kv_cache",
+    ("kv_cache_config", "shared_layers", "device"),
+)
 AVAILABLE_MEMORY = Seam("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory", ("self",))
 REQUEST_MEMORY = Seam(
     "vllm.v1.worker.gpu_worker", "request_memory", ("init_snapshot", "cache_config")
@@ -242,7 +250,12 @@ def register() -> None:
         seam.resolve()
     worker = None
     if not settings.host_pool:
-        worker = (ALLOCATE.resolve(), AVAILABLE_MEMORY.resolve(), REQUEST_MEMORY.resolve())
+        worker = (
+            ALLOCATE.resolve(),
+            ALLOCATE_V2.resolve(),
+            AVAILABLE_MEMORY.resolve(),
+            REQUEST_MEMORY.resolve(),
+        )
         settings.capacity_bytes  # noqa: B018 - refuses a missing size now, not at the first request
     from ._pool import make_block_pool_class
 
@@ -259,13 +272,32 @@ def register() -> None:
 def _patch_worker(
     settings: PluginSettings,
     allocate: tuple[Any, str, Any],
+    allocate_v2: tuple[Any, str, Any],
     available: tuple[Any, str, Any],
     request: tuple[Any, str, Any],
 ) -> None:
     from ._worker import allocate_kv_cache_tensors
 
     def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
-        return allocate_kv_cache_tensors(self, kv_cache_config, settings)
+        return allocate_kv_cache_tensors(
+            kv_cache_config,
+            device=self.device,
+            vllm_config=self.vllm_config,
+            settings=settings,
+            skip_layers=frozenset(self.runner_only_attn_layers),
+        )
+
+    def kv_cache_tensors_v2(kv_cache_config: Any, shared_layers: Any, device: Any) -> Any:
+        # Called inside Worker.initialize_from_config, under vLLM's set_current_vllm_config.
+        current = importlib.import_module("vllm.config").get_current_vllm_config
+
+        return allocate_kv_cache_tensors(
+            kv_cache_config,
+            device=device,
+            vllm_config=current(),
+            settings=settings,
+            shared_layers=frozenset(shared_layers),
+        )
 
     stock_available: Callable[[Any], int] = available[2]
 
@@ -286,5 +318,6 @@ def _patch_worker(
             return int(init_snapshot.free_memory)
 
     _replace(allocate[0], allocate[1], kv_cache_tensors)
+    _replace(allocate_v2[0], allocate_v2[1], kv_cache_tensors_v2)
     _replace(available[0], available[1], determine_available_memory)
     _replace(request[0], request[1], request_memory)

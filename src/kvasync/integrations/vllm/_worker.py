@@ -11,7 +11,7 @@ import torch
 from ..._config import Config
 from ..._layout import KVLayout
 from ..._sync import open_allocator_sync
-from ._engine import EngineKV, hold_null_block, register_engine
+from ._engine import EngineKV, hold_null_block, register_engine, take_engine
 from ._settings import PluginSettings
 
 __all__ = ["allocate_kv_cache_tensors", "kv_layout_for"]
@@ -84,13 +84,22 @@ def _reserve_pages(layout: KVLayout, page_size: int, headroom_blocks: int) -> tu
 
 
 def allocate_kv_cache_tensors(
-    runner: Any, kv_cache_config: Any, settings: PluginSettings
+    kv_cache_config: Any,
+    *,
+    device: torch.device,
+    vllm_config: Any,
+    settings: PluginSettings,
+    skip_layers: frozenset[str] = frozenset(),
+    shared_layers: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """What ``GPUModelRunner._allocate_kv_cache_tensors`` returns, over a kvasync allocator.
+    """What vLLM's KV allocation returns (``GPUModelRunner._allocate_kv_cache_tensors`` in the
+    V1 runner, ``gpu.attn_utils._allocate_kv_cache`` in the V2 one), over a kvasync allocator.
 
     The allocator reserves the virtual ranges of all ``num_blocks`` (the capacity the budget
     gave vLLM) and maps nothing but the null block's page; the scheduler's pool hands out blocks
-    only on mapped pages. The allocator is registered for this process's block pool.
+    only on mapped pages. The allocator is registered for this process's block pool. Layers in
+    ``skip_layers`` (the V1 runner's runner-only layers) and ``shared_layers`` (layers reading
+    another layer's cache) get no tensor, as in vLLM.
 
     Raises:
         ValueError: a KV cache this plugin does not lay out (``kv_layout_for``).
@@ -99,12 +108,16 @@ def allocate_kv_cache_tensors(
     from ..._backends import page_size_for
 
     layout = kv_layout_for(kv_cache_config)
-    device = runner.device
+    previous = take_engine()
+    if previous is not None:
+        # vLLM sizes a minimal KV cache to profile CUDA graphs, then the real one: the minimal
+        # one's views are dropped by then, and its allocator goes with them.
+        previous.allocator.close()
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    max_model_len = int(runner.model_config.max_model_len)
-    max_seqs = int(runner.scheduler_config.max_num_seqs)
+    max_model_len = int(vllm_config.model_config.max_model_len)
+    max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
     headroom = math.ceil(max_model_len / layout.block_size) + max_seqs
-    name = settings.name or f"vllm:{runner.model_config.served_model_name}"
+    name = settings.name or f"vllm:{vllm_config.model_config.served_model_name}"
     base = Config(
         backend="cuda",
         device=ordinal,
@@ -145,9 +158,9 @@ def allocate_kv_cache_tensors(
             name
             for group in kv_cache_config.kv_cache_groups
             for name in group.layer_names
-            if name not in runner.runner_only_attn_layers
+            if name not in skip_layers
         }
-        if expected != set(raw):
+        if expected != set(raw) | shared_layers:
             raise ValueError(
                 "kvasync's vLLM plugin: the KV tensors do not cover the attention layers "
                 f"(missing {sorted(expected - set(raw))}, extra {sorted(set(raw) - expected)})"
@@ -168,7 +181,6 @@ def allocate_kv_cache_tensors(
     except BaseException:
         kv.close()
         raise
-    runner.kvasync_allocator = kv  # the views keep the ranges alive; this keeps the mapper
     logger.info(
         "kvasync: %d KV blocks reserved (%d layers x %d bytes a block), page %d bytes a layer, "
         "reserve %s pages, share=%s, budget=%s, limit=%s, name=%s",
