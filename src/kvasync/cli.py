@@ -1,7 +1,8 @@
 """The command line: ``kvasync COMMAND`` (or ``python -m kvasync COMMAND``).
 
 Each command lives in the subpackage it belongs to; this group only names them, and imports a
-command's module when that command runs, so ``--help`` and ``--version`` load none of them.
+command's module when that command runs, so ``--help`` and ``--version`` load none of them. The
+option types the commands share live here too (``SIZE``: one size syntax everywhere).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import importlib.util
 import click
 
 from . import __version__
+from ._sizes import parse_size
 
-__all__ = ["main"]
+__all__ = ["SIZE", "deprecated_memory_limit_mib", "main", "memory_limit_of"]
 
 # command name -> (module, attribute) of its click command
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -40,6 +42,65 @@ _EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "serve": ("serve", ("fastapi", "uvicorn", "prometheus_client")),
     "demo": ("serve", ("matplotlib",)),
 }
+
+
+# click >= 8.3 makes ParamType generic; subscripting it would break the click 8.1 we support.
+class _Size(click.ParamType):  # type: ignore[type-arg]
+    """A size in bytes as every kvasync command takes one: ``512MiB``, ``12GiB``, ``4096``."""
+
+    name = "size"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+SIZE = _Size()
+"""The click type of a size option (``--memory-limit``, ``--device-budget``)."""
+
+# The old ``--memory-limit-mib N`` of serve, demo and simulate, kept (hidden) so that scripts keep
+# working; memory_limit_of reads it.
+deprecated_memory_limit_mib = click.option(
+    "--memory-limit-mib",
+    default=None,
+    type=click.IntRange(1),
+    hidden=True,
+    help="deprecated: --memory-limit NMiB.",
+)
+
+
+def memory_limit_of(size: int | None, mib: int | None, command: str) -> int | None:
+    """``--memory-limit``'s bytes, or its deprecated spelling ``--memory-limit-mib``'s.
+
+    Args:
+        size: the ``--memory-limit`` value (bytes), or None when not given.
+        mib: the ``--memory-limit-mib`` value, or None when not given.
+        command: the command's name, for the deprecation line.
+
+    Returns:
+        The limit in bytes; None when neither was given.
+
+    Raises:
+        click.BadParameter: both were given.
+    """
+    if mib is None:
+        return size
+    if size is not None:
+        raise click.BadParameter(
+            "give --memory-limit alone (--memory-limit-mib is its old spelling)",
+            param_hint="--memory-limit-mib",
+        )
+    click.echo(
+        f"kvasync {command}: --memory-limit-mib is deprecated: use --memory-limit {mib}MiB",
+        err=True,
+    )
+    return mib << 20
 
 
 def _check_extra(name: str) -> None:

@@ -7,59 +7,17 @@ and the other commands start without them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 
-from .._sizes import parse_size
+from ..cli import SIZE as _SIZE
+from ..cli import deprecated_memory_limit_mib as _DEPRECATED_MIB
+from ..cli import memory_limit_of as _memory_limit
 from ._engine import EngineConfig
 
 __all__ = ["demo_command", "serve_command"]
 
-
-# click >= 8.3 makes ParamType generic; subscripting it would break the click 8.1 we support.
-class _Size(click.ParamType):  # type: ignore[type-arg]
-    """A size in bytes as every kvasync command takes one: ``512MiB``, ``12GiB``, ``4096``."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        if isinstance(value, int):
-            return value
-        try:
-            return parse_size(str(value))
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-
-
-_SIZE = _Size()
 _DEMO_LIMIT = 2 << 20  # below the demo burst's peak demand, so the engine preempts
-
-
-def _memory_limit(size: int | None, mib: int | None, command: str) -> int | None:
-    """``--memory-limit``, or its deprecated spelling ``--memory-limit-mib`` (hidden)."""
-    if mib is None:
-        return size
-    if size is not None:
-        raise click.BadParameter(
-            "give --memory-limit alone (--memory-limit-mib is its old spelling)",
-            param_hint="--memory-limit-mib",
-        )
-    click.echo(
-        f"kvasync {command}: --memory-limit-mib is deprecated: use --memory-limit {mib}MiB",
-        err=True,
-    )
-    return mib << 20
-
-
-# The old ``--memory-limit-mib N``, kept (hidden) so that scripts keep working.
-_DEPRECATED_MIB = click.option(
-    "--memory-limit-mib",
-    default=None,
-    type=click.IntRange(1),
-    hidden=True,
-    help="deprecated: --memory-limit NMiB.",
-)
 
 
 @click.command("serve")

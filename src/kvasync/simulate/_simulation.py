@@ -43,7 +43,9 @@ from .._allocator import Allocator, open_allocator
 from .._config import Config
 from .._errors import AllocTimeout, KVAsyncError
 from .._layout import KVLayout
+from .._sizes import format_bytes
 from .._stats import percentile
+from ..cli import SIZE, deprecated_memory_limit_mib, memory_limit_of
 
 __all__ = ["DemoOptions", "DemoReport", "format_report", "run_demo", "simulate_command"]
 
@@ -67,7 +69,7 @@ class DemoOptions:
     Args:
         requests: requests to serve in all.
         concurrency: requests in flight at most (the crest of the load wave).
-        memory_limit_mib: physical KV memory the allocator may map, in MiB.
+        memory_limit: physical KV memory the allocator may map, in bytes.
         seconds: overall time cap; requests still running then are cancelled.
         alloc_timeout: seconds one alloc may wait.
         retries: restarts of a request preempted by an alloc timeout, before it is dropped.
@@ -84,7 +86,7 @@ class DemoOptions:
 
     requests: int = 4000
     concurrency: int = 300
-    memory_limit_mib: int = 128
+    memory_limit: int = 128 * MIB
     seconds: float = 20.0
     alloc_timeout: float = 0.5
     retries: int = 2
@@ -95,7 +97,7 @@ class DemoOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("requests", "concurrency", "memory_limit_mib", "max_prompt_blocks"):
+        for name in ("requests", "concurrency", "memory_limit", "max_prompt_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.retries < 0 or self.max_decode_blocks < 1:
@@ -107,9 +109,10 @@ class DemoOptions:
         if self.limit_blocks < self.max_request_blocks:
             page_mib = DEMO_PAGE_SIZE * DEMO_LAYOUT.num_ranges / MIB
             raise ValueError(
-                f"memory_limit_mib={self.memory_limit_mib} holds {self.limit_blocks} blocks "
-                f"({page_mib:g} MiB pages of {DEMO_LAYOUT.blocks_per_page(DEMO_PAGE_SIZE)}), "
-                f"fewer than one request's {self.max_request_blocks}; raise it"
+                f"memory_limit {self.memory_limit} bytes ({format_bytes(self.memory_limit)}) "
+                f"holds {self.limit_blocks} blocks ({page_mib:g} MiB pages of "
+                f"{DEMO_LAYOUT.blocks_per_page(DEMO_PAGE_SIZE)}), fewer than one request's "
+                f"{self.max_request_blocks}; raise it"
             )
 
     @property
@@ -120,7 +123,7 @@ class DemoOptions:
     @property
     def limit_blocks(self) -> int:
         """Blocks the memory limit holds: the allocator rounds it down to whole pages."""
-        pages = self.memory_limit_mib * MIB // (DEMO_PAGE_SIZE * DEMO_LAYOUT.num_ranges)
+        pages = self.memory_limit // (DEMO_PAGE_SIZE * DEMO_LAYOUT.num_ranges)
         return pages * DEMO_LAYOUT.blocks_per_page(DEMO_PAGE_SIZE)
 
 
@@ -130,7 +133,7 @@ class DemoReport:
 
     requests: int
     concurrency: int
-    memory_limit_mib: int
+    memory_limit: int  # bytes
     done: int = 0
     dropped: int = 0
     cut_off: int = 0
@@ -365,7 +368,7 @@ class _Simulation:
         return (
             f"in flight {self.in_flight:4d}  done {r.done:5d}  "
             f"dropped {r.dropped:3d}  blocks/s {r.blocks_allocated / max(elapsed, 1e-9):7,.0f}  "
-            f"mapped {mapped_bytes / MIB:5.0f}/{self.options.memory_limit_mib} MiB  "
+            f"mapped {mapped_bytes / MIB:5.0f}/{self.options.memory_limit / MIB:.0f} MiB  "
             f"waiting {waiters:3d}  timeouts {r.timeouts:3d}"
         )
 
@@ -404,12 +407,12 @@ async def run_demo(options: DemoOptions, out: TextIO | None = None) -> DemoRepor
     config = Config(
         backend="host",
         max_blocks=max(2 * limit_blocks, 8 * per_page),
-        memory_limit=options.memory_limit_mib * MIB,
+        memory_limit=options.memory_limit,
         page_size=DEMO_PAGE_SIZE,
         reserve_pages=(1, 4),
         default_timeout=max(2.0, options.alloc_timeout),
     )
-    report = DemoReport(options.requests, options.concurrency, options.memory_limit_mib)
+    report = DemoReport(options.requests, options.concurrency, options.memory_limit)
     async with open_allocator(DEMO_LAYOUT, config) as kv:
         simulation = _Simulation(kv, options, report, limit_blocks)
         start = time.perf_counter()
@@ -463,7 +466,7 @@ def format_report(report: DemoReport) -> str:
         ("pages mapped / unmapped", f"{report.maps} / {report.unmaps}"),
         (
             "peak mapped MiB (limit)",
-            f"{report.peak_mapped_bytes / MIB:,.0f} ({report.memory_limit_mib})",
+            f"{report.peak_mapped_bytes / MIB:,.0f} ({report.memory_limit / MIB:,.0f})",
         ),
         ("blocks verified / corrupt", f"{report.blocks_verified:,} / {report.corrupt_blocks}"),
         ("leaked blocks", f"{report.leaked_blocks}"),
@@ -504,12 +507,13 @@ _DEFAULTS = DemoOptions()
     help="Requests in flight at most.",
 )
 @click.option(
-    "--memory-limit-mib",
-    type=int,
-    default=_DEFAULTS.memory_limit_mib,
-    show_default=True,
-    help="Physical KV memory the allocator may map.",
+    "--memory-limit",
+    type=SIZE,
+    default=None,
+    help="Physical KV memory the allocator may map (64MiB, 1GiB, ...).  [default: "
+    f"{_DEFAULTS.memory_limit // MIB}MiB]",
 )
+@deprecated_memory_limit_mib
 @click.option(
     "--seconds", type=float, default=_DEFAULTS.seconds, show_default=True, help="Overall time cap."
 )
@@ -538,18 +542,20 @@ _DEFAULTS = DemoOptions()
 def simulate_command(
     requests: int,
     concurrency: int,
-    memory_limit_mib: int,
+    memory_limit: int | None,
+    memory_limit_mib: int | None,
     seconds: float,
     alloc_timeout: float,
     retries: int,
     token_time_ms: float,
     seed: int,
 ) -> None:
+    limit = memory_limit_of(memory_limit, memory_limit_mib, "simulate")
     try:
         options = DemoOptions(
             requests=requests,
             concurrency=concurrency,
-            memory_limit_mib=memory_limit_mib,
+            memory_limit=_DEFAULTS.memory_limit if limit is None else limit,
             seconds=seconds,
             alloc_timeout=alloc_timeout,
             retries=retries,
@@ -560,7 +566,8 @@ def simulate_command(
         raise click.UsageError(str(error)) from None
     click.echo(
         f"kvasync simulate: {options.requests} requests, up to {options.concurrency} in flight, "
-        f"memory limit {options.memory_limit_mib} MiB, host backend, cap {options.seconds:g} s"
+        f"memory limit {format_bytes(options.memory_limit)}, host backend, "
+        f"cap {options.seconds:g} s"
     )
     try:
         report = asyncio.run(run_demo(options, sys.stdout))
