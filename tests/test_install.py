@@ -80,3 +80,45 @@ def test_import_and_the_block_ops_work_on_a_cpu_without_triton():
     # On a CUDA device without Triton, the error names the extra to install.
     assert "refused: the block ops" in done.stdout
     assert 'pip install "kvasync[gpu]"' in done.stdout
+
+
+# The serve engine asked for the Triton kernel (what "auto" picks on a CUDA device), without
+# Triton: refused at open with the extra named, and the KV cache it opened is closed again.
+ENGINE_WITHOUT_TRITON = """
+import asyncio, os, sys, uuid
+sys.modules["triton"] = None
+import kvasync
+from kvasync import share
+from kvasync.serve import EngineConfig, open_engine
+from kvasync.serve._attention import paged_attention_kernel
+
+async def main():
+    name = f"test-install-{uuid.uuid4().hex[:12]}"
+    config = EngineConfig(
+        preset="tiny", device="cpu", attention="triton", max_blocks=64, share=name,
+        device_budget=64 << 20,
+    )
+    try:
+        async with open_engine(config):
+            print("opened")
+    except kvasync.KVAsyncError as error:
+        print("refused:", error)
+    # The allocator joined the share, and left it with its close: the last member out removes it.
+    print("share left:", not os.path.exists(share.path(name)))
+    try:
+        paged_attention_kernel()
+    except kvasync.KVAsyncError:
+        print("refused again")
+
+asyncio.run(main())
+"""
+
+
+def test_the_engines_paged_attention_without_triton_names_the_gpu_extra():
+    # Was a bare ModuleNotFoundError: No module named 'triton', at the first step.
+    done = run_python(ENGINE_WITHOUT_TRITON)
+    assert done.returncode == 0, done.stderr
+    assert "refused: the serve engine's paged attention" in done.stdout, done.stdout
+    assert 'pip install "kvasync[gpu]"' in done.stdout
+    assert "opened" not in done.stdout and "refused again" in done.stdout
+    assert "share left: True" in done.stdout

@@ -3,16 +3,27 @@
 The batch's K/V go into the cache only through the views ``kv.layer(i)`` returns and only at the
 blocks kvasync allocated for each sequence. Then each query attends over its sequence's blocks:
 the Triton kernel (kvasync.kernels.paged_attention, Note [Paged attention kernel]) on a GPU, or
-the torch reference below on a CPU. Both read the blocks through the same block table.
+the torch reference below on a CPU. Both read the blocks through the same block table. Triton is
+the ``kvasync[gpu]`` extra: without it, asking for the kernel is a ``KVAsyncError`` naming it.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PagedBatch", "attend_paged", "reference_paged_attention", "write_kv"]
+from .._errors import KVAsyncError
+
+__all__ = [
+    "PagedBatch",
+    "attend_paged",
+    "paged_attention_kernel",
+    "reference_paged_attention",
+    "write_kv",
+]
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,30 @@ def _attend(
     return mixed.reshape(num_seqs, n, num_heads, head_dim).to(q.dtype)
 
 
+@functools.cache
+def paged_attention_kernel() -> Callable[..., torch.Tensor]:
+    """The Triton kernel's launcher, ``kvasync.kernels.paged_attention``.
+
+    Returns:
+        The launcher (imported once).
+
+    Raises:
+        KVAsyncError: Triton is not installed (the ``kvasync[gpu]`` extra).
+    """
+    try:
+        from .. import kernels  # type: ignore[attr-defined]
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "triton":
+            raise  # a broken install of kvasync itself: not ours to hide
+        raise KVAsyncError(
+            "the serve engine's paged attention on a CUDA device runs a Triton kernel, and Triton "
+            'is not installed: pip install "kvasync[gpu]" (or EngineConfig(attention="torch") '
+            "for the torch reference, much slower)"
+        ) from None
+    launcher: Callable[..., torch.Tensor] = kernels.paged_attention
+    return launcher
+
+
 def attend_paged(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -160,13 +195,14 @@ def attend_paged(
         caches: ``kv.layer(i)``: the layer's ``(k_cache, v_cache)``.
         batch: where the tokens go and what they attend to.
         use_kernel: the Triton kernel (else the torch reference).
+
+    Raises:
+        KVAsyncError: ``use_kernel`` without Triton installed (the ``kvasync[gpu]`` extra).
     """
     k_cache, v_cache = caches
     write_kv(k_cache, v_cache, batch, k, v)
     if use_kernel:
-        from .. import kernels  # type: ignore[attr-defined]
-
-        result: torch.Tensor = kernels.paged_attention(
+        result: torch.Tensor = paged_attention_kernel()(
             q.contiguous(),
             k_cache,
             v_cache,

@@ -141,10 +141,10 @@ class Engine:
         try:
             if config.static:
                 await map_everything(kv)
+            return cls(config, model, kv)  # refused (no Triton for the kernel): kv closes
         except BaseException:
             await kv.close()
             raise
-        return cls(config, model, kv)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .._allocator import Allocator
-from ._attention import PagedBatch, attend_paged
+from ._attention import PagedBatch, attend_paged, paged_attention_kernel
 from ._model import Transformer
 
 __all__ = ["TEMPERATURE_RANGE", "ModelRunner", "SamplingParams"]
@@ -84,6 +84,8 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.use_kernel = use_kernel
+        if use_kernel:
+            paged_attention_kernel()  # no Triton: a KVAsyncError naming the extra, at start
         self._layers = [kv.layer(i) for i in range(model.config.num_layers)]
         mask = torch.full((256,), float("-inf"))
         mask[_SAMPLEABLE] = 0.0
