@@ -241,7 +241,9 @@ def import_bindings(tree: ast.Module, module: str, files: dict[str, Path]) -> di
 def private_accesses(sources: dict[Path, str]) -> list[str]:
     """``module:line: X._name`` for each private attribute a consumer module reads or sets on
     something other than ``self``, ``cls``, ``super()``, a module of its own room, or a name
-    imported from outside kvasync (``os._exit``; a host project's class it patches).
+    imported from outside kvasync (``os._exit``; a host project's class it patches); and
+    ``module:line: from X import _name`` for a private name it imports from a core module (the
+    core's private modules themselves are how consumers import it: those count as public).
 
     What a consumer needs of a core object, the object offers publicly (a documented method or
     property); reaching into its privates ties the consumer to the core's insides. A name not
@@ -262,8 +264,28 @@ def private_accesses(sources: dict[Path, str]) -> list[str]:
             and not node.attr.startswith("__")
             and not _allowed_owner(node.value, bound, module, files)
         ]
+        private += _private_imports(tree, module, files)
         private.sort(key=lambda node: (node.lineno, node.col_offset))
         found += [f"{module}:{node.lineno}: {ast.unparse(node)}" for node in private]
+    return found
+
+
+def _private_imports(tree: ast.Module, module: str, files: dict[str, Path]) -> list[ast.stmt]:
+    package = module if is_package(module, files) else module.rpartition(".")[0]
+    found: list[ast.stmt] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        source = from_source(node, package)
+        core = owner(source, files)
+        if core is None or not is_core(core):
+            continue
+        names = [alias.name for alias in node.names]
+        if any(
+            name.startswith("_") and not name.startswith("__") and f"{source}.{name}" not in files
+            for name in names
+        ):
+            found.append(node)
     return found
 
 
@@ -445,6 +467,7 @@ def test_a_consumer_reaching_into_a_core_objects_privates_is_found(tmp_path: Pat
             "integrations/__init__.py": "",
             "integrations/metrics.py": (
                 "from .. import _allocator\n"
+                "from .._allocator import Allocator, _GRACE\n"  # a private name of the core
                 "def register(allocator, member):\n"
                 "    allocator._observe = member.observe\n"  # set on a parameter
                 "    return member.allocator._pool.take_map_seconds()\n"  # through a chain
@@ -454,9 +477,10 @@ def test_a_consumer_reaching_into_a_core_objects_privates_is_found(tmp_path: Pat
         },
     )
     assert private_accesses(sources) == [
-        "kvasync.integrations.metrics:3: allocator._observe",
-        "kvasync.integrations.metrics:4: member.allocator._pool",
-        "kvasync.integrations.metrics:6: _allocator._GRACE",
+        "kvasync.integrations.metrics:2: from .._allocator import Allocator, _GRACE",
+        "kvasync.integrations.metrics:4: allocator._observe",
+        "kvasync.integrations.metrics:5: member.allocator._pool",
+        "kvasync.integrations.metrics:7: _allocator._GRACE",
     ]
 
 
@@ -470,6 +494,9 @@ def test_privates_of_self_of_the_own_room_and_of_outside_libraries_pass(tmp_path
             "serve/_records.py": "def _helper():\n    pass\n",
             "serve/_engine.py": (
                 "import os\n"
+                "from .. import _allocator\n"  # a core module: how consumers import the core
+                "from .._allocator import Allocator\n"
+                "from ._records import _helper\n"  # a private name of its own room
                 "from vllm.v1.core.block_pool import BlockPool\n"
                 "from . import _records\n"
                 "class Engine(BlockPool):\n"
