@@ -398,7 +398,7 @@ class Scheduler(Generic[R]):
         self._paused = False
         return victim
 
-    # -- draining (Note [Drain] of kvasync's page pool) -------------------------------------
+    # -- draining (the drain of Note [Limit policy] in kvasync's page pool) -----------------
 
     def draining(self) -> int | None:
         """The allocator's ``drain_from`` when a running request holds a block there, or None
