@@ -203,13 +203,16 @@ async def test_an_inherited_allocator_refuses_every_call_in_a_forked_child_and_t
             asyncio.run(kv.close(timeout=5.0))  # nothing here is the child's to close
             asyncio.run(kv.close(timeout=5.0))
             closed_in = time.monotonic() - started
-            return {"outcomes": outcomes, "closed_in": closed_in}
+            # The properties still describe it: they read no pool and wait for no thread.
+            described = [kv.num_blocks, kv.page_size, kv.backend, kv.config.name]
+            return {"outcomes": outcomes, "closed_in": closed_in, "described": described}
 
         answer = in_child(child)
         assert isinstance(answer, dict)
         check_refused(answer["outcomes"], parent)
         assert len(answer["outcomes"]) == 18
         assert answer["closed_in"] < 1.0
+        assert answer["described"] == [8 * PER_PAGE, 2 << 20, "host", "parent"]
         # The parent's allocator, its data and its ledger entry are as they were, and it serves.
         assert ledger_view(share_name) == ledger_before
         assert kv.stats() == stats_before
