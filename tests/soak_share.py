@@ -33,7 +33,9 @@ left past ``CLEAR_DEADLINE_S``; a snapshot that waited for the lock past its tim
 that could not join, or did not stop, within its deadline; a block handed out twice or whose
 data changed, inside a member; an alloc that returned ``HANG_S`` past its deadline; blocks still
 allocated or pages still mapped in a member at its end; the ledger's file left after the last
-member left; open fds of the parent or of a member grown.
+member left; open fds of the parent or of a member grown; the whole run overrunning
+SOAK_SECONDS by ``RUN_GRACE_S`` (every thread's stack is printed; the members see their pipe end
+and stop).
 
 Usage: ``SOAK_SECONDS=60 python tests/soak_share.py`` (default 600).
 """
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import gc
 import mmap
 import multiprocessing
@@ -83,7 +86,8 @@ SAMPLE_EVERY_S = 0.005
 HANG_S = 1.0  # an alloc this late (beyond its loop's lag) is a hang, not a late wake
 LAG_PROBE_S = 0.01
 PROGRESS_EVERY_S = 1.0
-FD_GROWTH = 8  # the forkserver's socket and the resource tracker's pipe stay open
+RUN_GRACE_S = 180.0  # the run's deadline past SOAK_SECONDS: joins, stops and exits included
+FD_GROWTH = 2  # the forkserver's and the resource tracker's pipes stay open
 
 # Layout of csrc/ledger/ledger.h from version 2 on (later versions added fields after these):
 # checked at start by the sizes in the header and against the parent's own entry.
@@ -123,6 +127,7 @@ class Member:
         self.held: dict[int, float] = {}  # block -> its signature
         self.kv: kvasync.Allocator | None = None
         self.lag_s = 0.0  # the loop's largest lateness in the last second
+        self.loop_reader_closed = False
         self.probe_due = time.monotonic()  # when the lag probe should wake next
 
     async def run(self, share_name: str) -> None:
@@ -143,7 +148,7 @@ class Member:
         self.conn.send({"joined": os.getpid()})
         commands: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        loop.add_reader(self.conn.fileno(), lambda: commands.put_nowait(self.conn.recv()))
+        loop.add_reader(self.conn.fileno(), lambda: commands.put_nowait(self.read_command()))
         tasks = [asyncio.ensure_future(self.request()) for _ in range(REQUESTS_PER_MEMBER)]
         tasks.append(asyncio.ensure_future(self.report_progress()))
         tasks.append(asyncio.ensure_future(self.watch_loop_lag()))
@@ -155,7 +160,8 @@ class Member:
                 elif command["cmd"] == "stop":
                     break
         finally:
-            loop.remove_reader(self.conn.fileno())
+            if not self.loop_reader_closed:
+                loop.remove_reader(self.conn.fileno())
             for task in tasks:
                 task.cancel()
             stuck = (await asyncio.wait(tasks, timeout=5.0))[1]
@@ -165,6 +171,14 @@ class Member:
             # frames: let them go, or the fd check below sees the allocator still open.
             tasks.clear()
         await self.stop(fds_before)
+
+    def read_command(self) -> dict[str, Any]:
+        try:
+            return dict(self.conn.recv())
+        except (EOFError, OSError):  # the parent is gone: stop, never outlive it
+            self.loop_reader_closed = True
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            return {"cmd": "stop"}
 
     async def request(self) -> None:
         assert self.kv is not None
@@ -284,7 +298,8 @@ class Member:
         grown = {fd: link for fd, link in fd_links().items() if fd not in fds_before}
         if grown:
             self.problem(f"fds opened and not closed across open..close: {grown}")
-        self.conn.send({"stopped": self.figures.__dict__})
+        with contextlib.suppress(OSError):  # a parent gone meanwhile
+            self.conn.send({"stopped": self.figures.__dict__})
 
     def problem(self, text: str) -> None:
         if len(self.figures.problems) < 20:
@@ -456,6 +471,7 @@ class Soak:
         self.rng = random.Random()
         self.raw: RawLedger | None = None
         self.raw_mismatch: str | None = None
+        self.parent_fds = (0, 0)
 
     def spawn(self, index: int) -> Process:
         """Starts a member; it joins the share in the background (``drain`` sees it join)."""
@@ -609,7 +625,7 @@ class Soak:
         self.finished.append(member)
 
     def run(self) -> int:
-        fds_before = open_fds()
+        fds_before = fd_links()
         anchor_config = kvasync.Config(
             backend="host",
             max_blocks=8,
@@ -656,10 +672,15 @@ class Soak:
             for member in self.members:  # only after a failure above
                 member.proc.kill()
             self.check_ledger_and_close(anchor)
+        # NOTE: a closed allocator keeps its memfd and eventfds until it is dropped.
+        del anchor
         self.raw = None
         gc.collect()
-        if open_fds() - fds_before > FD_GROWTH:
-            self.figures.problem(f"the parent's open fds grew from {fds_before} to {open_fds()}")
+        fds_after = fd_links()
+        self.parent_fds = (len(fds_before), len(fds_after))
+        if len(fds_after) - len(fds_before) > FD_GROWTH:
+            grown = {fd: link for fd, link in fds_after.items() if fd not in fds_before}
+            self.figures.problem(f"the parent's open fds grew: {grown}")
         return self.print_report(console)
 
     def stop_members(self) -> None:
@@ -734,6 +755,7 @@ class Soak:
         table.add_row("  max", ms(max(f.clear_s, default=0.0)))
         table.add_row("  max after it was reaped", ms(max(f.clear_after_death_s, default=0.0)))
         table.add_row("join of a new member: max", ms(max(f.join_s, default=0.0)))
+        table.add_row("parent's open fds: start / end", "{} / {}".format(*self.parent_fds))
         table.add_row("problems", f"{len(f.problems)}")
         console.print(table)
         if self.raw_mismatch is not None:
@@ -757,13 +779,11 @@ def max_of(reports: list[dict[str, Any]], key: str) -> float:
     return max((float(r.get(key, 0.0)) for r in reports), default=0.0)
 
 
-def open_fds() -> int:
-    gc.collect()
-    return len(os.listdir("/proc/self/fd"))
-
-
 def main() -> int:
     seconds = float(os.environ.get("SOAK_SECONDS", "600"))
+    # The soak's own deadline: past it, every thread's stack is printed and it exits 1 (its
+    # members see their pipe end and stop).
+    faulthandler.dump_traceback_later(seconds + RUN_GRACE_S, exit=True)
     return Soak(seconds).run()
 
 

@@ -20,7 +20,8 @@ values after a warm-up; one more request must complete; SIGINT must stop it with
 ``SHUTDOWN_DEADLINE_S`` with status 0, its ledger file gone, and no traceback in its log.
 
 It fails (exit status 1) on any of these, on a connection past its deadline, on an HTTP error
-status, and on a completed stream whose text or finish reason is wrong.
+status, on a completed stream whose text or finish reason is wrong, and on the run overrunning
+SOAK_SECONDS by ``RUN_GRACE_S``.
 
 Usage: ``SOAK_SECONDS=60 python tests/soak_streaming.py`` (default 600).
 """
@@ -63,6 +64,7 @@ WARM_CONNECTIONS = 64  # fds and RSS are measured from here on
 RSS_GROWTH_MIB = 64.0
 FD_GROWTH = 4
 SAMPLE_EVERY_S = 1.0
+RUN_GRACE_S = 120.0  # the run's deadline past SOAK_SECONDS (the last connections, rest, checks)
 BUDGET = "256MiB"
 MAX_BLOCKS = 24
 
@@ -318,15 +320,19 @@ async def soak(seconds: float, console: Console) -> Figures:
     server = Server(share_name)
     load = Load(server, figures)
     try:
-        await server.started(load.http)
-        console.print(
-            f"streaming soak: {seconds:.0f} s, {CONNECTIONS} connections at once, kvasync serve "
-            f"(tiny, cpu) pid {server.proc.pid} on port {server.port}"
-        )
-        await load.run(seconds)
-        await load.at_rest()
-        figures.end_fds, figures.end_rss_mib = server.fds(), server.rss_mib()
-        await load.still_serves()
+        try:
+            async with asyncio.timeout(START_DEADLINE_S + seconds + RUN_GRACE_S):
+                await server.started(load.http)
+                console.print(
+                    f"streaming soak: {seconds:.0f} s, {CONNECTIONS} connections at once, "
+                    f"kvasync serve (tiny, cpu) pid {server.proc.pid} on port {server.port}"
+                )
+                await load.run(seconds)
+                await load.at_rest()
+                figures.end_fds, figures.end_rss_mib = server.fds(), server.rss_mib()
+                await load.still_serves()
+        except TimeoutError:
+            figures.problem(f"the soak did not end within {seconds + RUN_GRACE_S:.0f} s of load")
         await load.aclose()
         began = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
