@@ -289,3 +289,45 @@ def test_an_allocator_opened_in_a_forked_child_works_and_joins_the_share_as_the_
         assert answer["async"] == PER_PAGE + 1
         assert ledger_view(share_name) == ledger_before  # the child's entries left with it
         kv.free(held)
+
+
+def test_registering_an_inherited_allocator_for_metrics_is_refused_and_changes_nothing() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvasync.integrations import metrics
+
+    config = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
+    with (
+        kvasync.open_allocator_sync(LAYOUT, config) as kv,
+        kvasync.open_allocator_sync(LAYOUT, config) as other,
+    ):
+        registry = CollectorRegistry()
+        metrics.register(other, registry, name="other")
+
+        def child() -> object:
+            # A scrape in the child (a forked web worker's /metrics) skips the parent's
+            # allocators instead of failing, and reports one of the child's own.
+            before = generate_latest(registry).decode()
+            try:
+                metrics.register(kv, registry, name="inherited")
+                refused = ""
+            except kvasync.AllocatorClosed as error:
+                refused = str(error)
+            same = generate_latest(registry).decode() == before
+            with kvasync.open_allocator_sync(LAYOUT, config) as own:
+                metrics.register(own, registry, name="own")
+                held = own.alloc(3, timeout=5.0)
+                text = generate_latest(registry).decode()
+                own.free(held)
+            return {"refused": refused, "same": same, "before": before, "after": text}
+
+        answer = in_child(child)
+        assert isinstance(answer, dict)
+        assert "a forked child must open its own allocator" in answer["refused"]
+        assert answer["same"], "the refused registration left samples behind"
+        # Its gauges and counters (read from the allocator) are not reported there; its
+        # histograms are this registry's own memory, copied by the fork, and stay as they were.
+        assert 'kvasync_used_blocks{allocator="other"}' not in answer["before"]
+        assert 'kvasync_used_blocks{allocator="own"} 3.0' in answer["after"]
+        # In the parent, the same registry still reports its allocator.
+        assert 'kvasync_used_blocks{allocator="other"} 0.0' in generate_latest(registry).decode()

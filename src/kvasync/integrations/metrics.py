@@ -24,6 +24,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .._errors import AllocatorClosed
+
 if TYPE_CHECKING:
     from .._allocator import Allocator
     from .._sync import SyncAllocator
@@ -74,7 +76,11 @@ class AllocatorCollector:
         self._cold = export.alloc_latency.labels(name, "cold")
         self.maps = export.map_latency.labels(name)
         # Through the allocator's public hook; each registration observes on its own.
-        self._stop_observing = allocator.add_alloc_observer(self.observe_alloc)
+        try:
+            self._stop_observing = allocator.add_alloc_observer(self.observe_alloc)
+        except BaseException:  # refused (a forked child): leave no sample behind
+            export.drop_labels(name)
+            raise
 
     def observe_alloc(self, waited: bool, seconds: float) -> None:
         (self._cold if waited else self._hot).observe(seconds)
@@ -112,12 +118,16 @@ class _RegistryExport(Collector):
             if self.members.get(member.name) is not member:
                 return
             del self.members[member.name]
-            self.alloc_latency.remove(member.name, "hot")
-            self.alloc_latency.remove(member.name, "cold")
-            self.map_latency.remove(member.name)
+            self.drop_labels(member.name)
             if not self.members:
                 self.registry.unregister(self)
                 del _EXPORTS[self.registry][self.prefix]
+
+    def drop_labels(self, name: str) -> None:
+        """Removes the histograms' samples of the allocator labelled ``name``."""
+        self.alloc_latency.remove(name, "hot")
+        self.alloc_latency.remove(name, "cold")
+        self.map_latency.remove(name)
 
     def describe(self) -> Iterator[Metric]:
         """The metric names, without reading any allocator (the registry's duplicate check)."""
@@ -140,9 +150,15 @@ class _RegistryExport(Collector):
             for suffix, _, help_text in _COUNTERS
         ]
         for member in members:
-            for seconds in member.allocator.take_map_seconds():
+            try:
+                durations = member.allocator.take_map_seconds()
+                stats = member.allocator.stats()
+            except AllocatorClosed:
+                # Opened by the parent of this forked process: not this process's to report
+                # (Note [Fork]); the others still are.
+                continue
+            for seconds in durations:
                 member.maps.observe(seconds)
-            stats = member.allocator.stats()
             for gauge, (_, field, _) in zip(gauges, _GAUGES, strict=True):
                 gauge.add_metric([member.name], getattr(stats, field))
             for counter, (_, field, _) in zip(counters, _COUNTERS, strict=True):
@@ -203,6 +219,7 @@ def register(
         ValueError: ``name`` is empty or another allocator in the registry has it, ``kv`` is
             registered there already, or another collector holds these metric names
             (prometheus-client's duplicate check).
+        AllocatorClosed: ``kv`` was opened by the parent of this forked process.
     """
     from .._sync import SyncAllocator
 
@@ -214,9 +231,15 @@ def register(
         if any(member.allocator is allocator for member in export.members.values()):
             raise ValueError(f"this allocator is registered in this registry already ({prefix})")
         label = _label(export, allocator, name)
-        if prefix not in exports:
-            registry.register(export)  # raises ValueError when another collector has the names
-            exports[prefix] = export
+        # First: observing the allocator is refused in a forked child (AllocatorClosed), before
+        # anything is registered.
         member = AllocatorCollector(export, allocator, label)
+        if prefix not in exports:
+            try:
+                registry.register(export)  # a ValueError when another collector has the names
+            except BaseException:
+                member.unregister()  # stops observing; it was in no export yet
+                raise
+            exports[prefix] = export
         export.members[label] = member
     return member
