@@ -19,6 +19,7 @@ using namespace kvasync;
 
 void bind_cuda(py::module_& m);  // bind_cuda.cpp
 void bind_ledger(py::module_& m);  // bind_ledger.cpp
+void bind_group(py::module_& m);  // bind_group.cpp
 
 namespace {
 
@@ -292,4 +293,5 @@ PYBIND11_MODULE(_core, m) {
         py::arg("pool"), py::arg("reserve_pages"), py::arg("timeout_s"));
 
   bind_cuda(m);  // after Backend: CudaBackend derives from it
+  bind_group(m);  // after Backend: GroupBackend derives from it
 }

@@ -1,0 +1,451 @@
+"""Tensor-parallel groups (kvasync._group, csrc/group/): one scheduler's pool, N rank processes.
+
+Every rank is a real process (tests/tp_rank_worker.py) with its own host backend: a real memfd
+reservation, so a page it has not mapped faults when touched. The scheduler's pool runs in this
+process on the group's backend, except where the scheduler's own exit is the point
+(tests/tp_scheduler_worker.py). Every wait has a deadline; nothing sleeps to let things settle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvasync import KVAsyncError, _core
+from kvasync._group import RankMapper, TensorParallelGroup, group_path, open_group
+
+HERE = Path(__file__).resolve().parent
+RANK_WORKER = HERE / "tp_rank_worker.py"
+SCHEDULER_WORKER = HERE / "tp_scheduler_worker.py"
+NUM_RANGES = 2
+NUM_PAGES = 8
+PAGE_SIZE = 64 << 10
+BLOCKS_PER_PAGE = 4
+MAP_OK = 0
+MAP_ERROR = 1
+EVENT_TIMEOUT = 30.0  # a process's start (imports) on a loaded 2-core machine
+
+
+class Process:
+    """A worker process spoken to by JSON lines, every read bounded by a deadline."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=HERE.parent,
+        )
+        self._buffer = ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def read(self, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = self.popen.stdout.fileno()
+        while "\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            assert left > 0, f"worker {self.pid} said nothing within {timeout} s"
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536).decode()
+                assert chunk, f"worker {self.pid} exited (rc {self.popen.poll()})"
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split("\n", 1)
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def ask(self, command: str, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(command + "\n")
+        self.popen.stdin.flush()
+        return self.read(timeout)
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Ends the worker (end of input, then SIGKILL if it does not exit) and its pipes."""
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        with contextlib.suppress(OSError):  # OSError: it is gone, and the pipe with it
+            self.popen.stdin.close()  # a worker reads end of input as "close"
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self.popen.stdout.close()
+
+
+def start_rank(name: str, rank: int, *extra: str) -> Process:
+    return Process(
+        [
+            str(RANK_WORKER),
+            f"--group={name}",
+            f"--rank={rank}",
+            f"--ranges={NUM_RANGES}",
+            f"--pages={NUM_PAGES}",
+            f"--page-size={PAGE_SIZE}",
+            *extra,
+        ]
+    )
+
+
+def start_ranks(name: str, count: int, **extra: list[str]) -> list[Process]:
+    """Starts `count` ranks; extra["r<rank>"] are more arguments for one of them."""
+    ranks = [start_rank(name, r, *extra.get(f"r{r}", [])) for r in range(count)]
+    for rank in ranks:
+        assert rank.read()["event"] == "joined"
+    return ranks
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Process]]:
+    """Every worker a test starts, stopped (or killed) at its end."""
+    started: list[Process] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+@pytest.fixture
+def name() -> str:
+    return f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def local_backend() -> _core.HostBackend:
+    return _core.HostBackend(NUM_RANGES, NUM_PAGES, PAGE_SIZE)
+
+
+def open_pool(group: TensorParallelGroup) -> _core.PagePool:
+    # No reserve: every map is for a request, so a test sees exactly the jobs it asks for.
+    return _core.PagePool(
+        group.backend, NUM_PAGES * BLOCKS_PER_PAGE, BLOCKS_PER_PAGE, NUM_PAGES, 0, 0, 30.0
+    )
+
+
+def alloc_and_wait(pool: _core.PagePool, n: int, timeout: float) -> tuple[int, list[int], str]:
+    result = pool.alloc(n, time.monotonic() + timeout)
+    if isinstance(result, list):
+        return MAP_OK, result, ""
+    return wait_completion(pool, result, timeout)
+
+
+def wait_completion(
+    pool: _core.PagePool, request: int, timeout: float
+) -> tuple[int, list[int], str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        for got, status, blocks, message in pool.drain():
+            assert got == request, f"unexpected completion of {got}"
+            return status, blocks, message
+        left = deadline - time.monotonic()
+        assert left > 0, f"request {request} not completed within {timeout} s"
+        select.select([pool.completion_fd], [], [], left)
+
+
+def wait_rank_pages(rank: Process, pages: list[int], timeout: float = 10.0) -> dict[str, Any]:
+    """Waits until the rank holds exactly `pages` (its own record, then its memory touched)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = rank.ask("status")
+        if status["mapped"] == pages:
+            return status
+        assert time.monotonic() < deadline, f"rank holds {status['mapped']}, expected {pages}"
+        # Polled: the rank's pages change on its own thread, which tells this process nothing.
+        select.select([], [], [], 0.01)
+
+
+def pages_of(blocks: list[int]) -> list[int]:
+    return sorted({b // BLOCKS_PER_PAGE for b in blocks})
+
+
+def close_all(pool: _core.PagePool, group: TensorParallelGroup) -> None:
+    assert pool.close(10.0)
+    group.close()
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_tensor_parallel_alloc_maps_every_rank_and_trim_unmaps_every_rank(
+    name: str, processes: list[Process], num_ranks: int
+) -> None:
+    local = local_backend()
+    group = open_group(name, num_ranks, local)
+    processes += start_ranks(name, num_ranks)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+
+    status, blocks, message = alloc_and_wait(pool, 2 * BLOCKS_PER_PAGE + 1, 10.0)
+
+    assert (status, message) == (MAP_OK, "")
+    pages = pages_of(blocks)
+    assert len(pages) == 3
+    for rank in processes:
+        assert rank.ask("touch")["pages"] == pages  # really mapped: touching did not fault
+    for index in range(NUM_RANGES):
+        view = np.asarray(_core.range_view(local, index))
+        view[pages[-1] * PAGE_SIZE] = 7  # the scheduler's own backend mapped them too
+    assert [r["mapped_pages"] for r in group.ranks()] == [3] * num_ranks
+    assert all(r["state"] == "joined" for r in group.ranks())
+
+    pool.free(blocks)
+    barrier = pool.trim(time.monotonic() + 10.0)
+    assert wait_completion(pool, barrier, 10.0)[0] == MAP_OK
+    for rank in processes:
+        assert rank.ask("status")["mapped"] == []  # the unmap returned only once every rank had
+    close_all(pool, group)
+    for rank in processes:
+        left = rank.ask("wait_left 10")
+        assert left["ok"] and left["reason"] == "the scheduler closed the group"
+    assert not os.path.exists(group_path(name))
+
+
+def test_tensor_parallel_rank_killed_mid_map_fails_the_alloc_naming_the_rank(
+    name: str, processes: list[Process]
+) -> None:
+    group = open_group(name, 2, local_backend(), map_timeout=20.0)
+    processes += start_ranks(name, 2, r1=["--hang"])
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+    request = pool.alloc(BLOCKS_PER_PAGE, time.monotonic() + 30.0)
+    assert isinstance(request, int)
+    deadline = time.monotonic() + 10.0
+    while processes[1].ask("status")["hung_maps"] != 1:  # rank 1 is inside its map
+        assert time.monotonic() < deadline, "rank 1 never started its map"
+    victim = processes[1].pid
+
+    started = time.monotonic()
+    processes[1].kill()
+    status, _blocks, message = wait_completion(pool, request, 10.0)
+
+    # Failed for the death (at the next liveness slice), not at the 20 s map timeout.
+    assert time.monotonic() - started < 10.0
+    assert status == MAP_ERROR
+    assert f"rank 1 (pid {victim}) died" in message, message
+    wait_rank_pages(processes[0], [])  # rank 0's map of that job was rolled back
+    assert group.broken is not None and f"rank 1 (pid {victim}) died" in group.broken
+    # The group is broken: the next map fails at once, naming the dead rank again.
+    status, _blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 5.0)
+    assert status == MAP_ERROR and "rank 1" in message and "reopened" in message
+    assert [r["state"] for r in group.ranks()] == ["joined", "dead"]
+    close_all(pool, group)
+
+
+def test_tensor_parallel_rank_failure_unmaps_what_the_others_mapped(
+    name: str, processes: list[Process]
+) -> None:
+    local = local_backend()
+    group = open_group(name, 3, local)
+    processes += start_ranks(name, 3)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+    processes[2].ask("fail 1")
+
+    status, _blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+
+    assert status == MAP_ERROR
+    assert f"rank 2 (pid {processes[2].pid}) failed to map page 0: ENOMEM: injected" in message
+    for rank in processes:
+        wait_rank_pages(rank, [])
+    assert pool.stats()["mapped_pages"] == 0
+    # A refusal is not a death: the group still serves, and the next alloc maps everywhere.
+    assert group.broken is None
+    status, blocks, _message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_OK
+    for rank in processes:
+        assert rank.ask("touch")["pages"] == pages_of(blocks)
+    close_all(pool, group)
+
+
+def test_tensor_parallel_slow_rank_delays_the_alloc_within_its_deadline(
+    name: str, processes: list[Process]
+) -> None:
+    group = open_group(name, 2, local_backend(), map_timeout=10.0)
+    processes += start_ranks(name, 2, r1=["--delay=0.3"])
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+
+    started = time.monotonic()
+    status, blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+
+    assert (status, message) == (MAP_OK, "")
+    assert time.monotonic() - started >= 0.3  # it waited for the slow rank's map
+    for rank in processes:
+        assert rank.ask("touch")["pages"] == pages_of(blocks)
+    close_all(pool, group)
+
+
+def test_tensor_parallel_rank_slower_than_the_map_timeout_fails_it_then_unmaps(
+    name: str, processes: list[Process]
+) -> None:
+    group = open_group(name, 2, local_backend(), map_timeout=0.5)
+    processes += start_ranks(name, 2, r1=["--delay=2.0"])
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+
+    status, _blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+
+    assert status == MAP_ERROR
+    assert f"rank 1 (pid {processes[1].pid}), alive, did not finish map page 0 within 0.5 s" in (
+        message
+    )
+    # The rollback was queued behind the slow map: rank 1 ends with nothing mapped.
+    wait_rank_pages(processes[1], [], timeout=10.0)
+    wait_rank_pages(processes[0], [])
+    assert group.broken is None  # slow is not dead
+    processes[1].ask("release")
+    status, blocks, _message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_OK
+    assert processes[1].ask("touch")["pages"] == pages_of(blocks)
+    close_all(pool, group)
+
+
+def test_tensor_parallel_rank_that_never_starts_fails_open_and_alloc_naming_it(
+    name: str, processes: list[Process]
+) -> None:
+    with pytest.raises(KVAsyncError, match=r"ranks 0, 1 never joined group '.*' within 0\.3 s"):
+        open_group(name, 2, local_backend(), ready_timeout=0.3)
+    assert not os.path.exists(group_path(name))  # closed again
+
+    group = open_group(name, 2, local_backend(), map_timeout=0.5)
+    processes += start_ranks(name, 1)
+    pool = open_pool(group)
+    started = time.monotonic()
+    status, _blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert time.monotonic() - started < 5.0
+    assert status == MAP_ERROR and "rank 1 never joined group" in message, message
+    assert processes[0].ask("status")["mapped"] == []  # nothing was posted to rank 0
+    assert [r["state"] for r in group.ranks()] == ["joined", "absent"]
+    close_all(pool, group)
+
+
+def test_tensor_parallel_seed_a_second_engine_starts_while_the_first_maps(
+    name: str, processes: list[Process]
+) -> None:
+    # Seed 001, reproduction A, with TP: engine A's map is stuck on a rank (driver contention);
+    # engine B starts beside it and must come up and map, not hang behind A.
+    group_a = open_group(name + "-a", 2, local_backend(), map_timeout=30.0)
+    ranks_a = start_ranks(name + "-a", 2, r0=["--hang"], r1=["--hang"])
+    processes += ranks_a
+    group_a.wait_ready(EVENT_TIMEOUT)
+    pool_a = open_pool(group_a)
+    request_a = pool_a.alloc(BLOCKS_PER_PAGE, time.monotonic() + 60.0)
+    assert isinstance(request_a, int)
+    deadline = time.monotonic() + 10.0
+    while ranks_a[0].ask("status")["hung_maps"] != 1:
+        assert time.monotonic() < deadline, "engine A's rank never started its map"
+
+    group_b = open_group(name + "-b", 2, local_backend(), map_timeout=10.0)
+    ranks_b = start_ranks(name + "-b", 2)
+    processes += ranks_b
+    group_b.wait_ready(EVENT_TIMEOUT)
+    pool_b = open_pool(group_b)
+    status, blocks, message = alloc_and_wait(pool_b, 2 * BLOCKS_PER_PAGE, 10.0)
+
+    assert (status, message) == (MAP_OK, "")
+    for rank in ranks_b:
+        assert rank.ask("touch")["pages"] == pages_of(blocks)
+    assert pool_a.drain() == []  # A is still mapping: B did not wait for it
+    for rank in ranks_a:
+        rank.ask("release")
+    status, blocks_a, _message = wait_completion(pool_a, request_a, 10.0)
+    assert status == MAP_OK
+    for rank in ranks_a:
+        assert rank.ask("touch")["pages"] == pages_of(blocks_a)
+    close_all(pool_b, group_b)
+    close_all(pool_a, group_a)
+
+
+def test_tensor_parallel_scheduler_exit_while_ranks_map_makes_them_unmap_and_leave(
+    name: str, processes: list[Process]
+) -> None:
+    scheduler = Process(
+        [
+            str(SCHEDULER_WORKER),
+            f"--group={name}",
+            "--ranks=2",
+            f"--ranges={NUM_RANGES}",
+            f"--pages={NUM_PAGES}",
+            f"--page-size={PAGE_SIZE}",
+            f"--blocks-per-page={BLOCKS_PER_PAGE}",
+        ]
+    )
+    processes.append(scheduler)
+    ranks = start_ranks(name, 2)
+    processes += ranks
+    assert scheduler.read()["event"] == "ready"
+    first = scheduler.ask("alloc 4")
+    assert scheduler.ask(f"wait {first['request']} 10")["status"] == MAP_OK
+    for rank in ranks:
+        assert rank.ask("touch")["pages"] == [0]
+        rank.ask("hang")
+    assert scheduler.ask("alloc 4")["event"] == "posted"
+    deadline = time.monotonic() + 10.0
+    while not all(rank.ask("status")["hung_maps"] == 1 for rank in ranks):
+        assert time.monotonic() < deadline, "the ranks never started the second map"
+
+    scheduler.kill()  # mid-map
+    for rank in ranks:
+        rank.ask("release")  # the driver call returns; the rank then finds the scheduler gone
+
+    for rank in ranks:
+        left = rank.ask("wait_left 5")
+        assert left["ok"], left
+        assert left["reason"] == f"the scheduler (pid {scheduler.pid}) died"
+        assert left["mapped"] == []
+    # The dead scheduler's file is replaced by the next scheduler of that name.
+    group = open_group(name, 1, local_backend())
+    group.close()
+
+
+def test_tensor_parallel_rank_with_another_geometry_is_refused_and_named(
+    name: str,
+) -> None:
+    group = open_group(name, 1, local_backend())
+    try:
+        wrong = _core.HostBackend(NUM_RANGES, NUM_PAGES * 2, PAGE_SIZE)
+        with pytest.raises(KVAsyncError, match="rank 0 cannot join group"):
+            RankMapper(name, 0, wrong, timeout=1.0)
+        with pytest.raises(KVAsyncError, match=r"rank 0 .* was refused by group"):
+            group.wait_ready(1.0)
+    finally:
+        group.close()
+
+
+def test_tensor_parallel_group_name_in_use_by_a_live_scheduler_is_refused(name: str) -> None:
+    with (
+        open_group(name, 1, local_backend()),
+        pytest.raises(KVAsyncError, match="in use by the live scheduler pid"),
+    ):
+        open_group(name, 1, local_backend())
+
+
+def test_tensor_parallel_rank_join_waits_for_the_scheduler_within_its_timeout(name: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(KVAsyncError, match=r"rank 0 cannot join .* no group file"):
+        RankMapper(name, 0, local_backend(), timeout=0.2)
+    assert time.monotonic() - started >= 0.2
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a b", "-x"])
+def test_tensor_parallel_bad_group_name_is_a_value_error(bad: str) -> None:
+    with pytest.raises(ValueError, match="group name"):
+        group_path(bad)
