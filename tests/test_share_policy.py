@@ -59,7 +59,7 @@ MEMBERS = 3
 RECLAIM_DEADLINE_S = 2.0
 TICK_DEADLINE_S = 1.0  # for a figure the watchers publish at each tick (100 ms)
 SLACK_S = 1.0
-EXAMPLES = int(os.environ.get("KVASYNC_MODEL_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("KVASYNC_MODEL_EXAMPLES", "12"))
 
 counts = st.integers(min_value=1, max_value=3 * BLOCKS_PER_PAGE)
 picks = st.integers(min_value=0, max_value=1 << 16)

@@ -25,6 +25,12 @@
 
 #include "pool/page_pool.h"
 
+#if defined(__SANITIZE_THREAD__)
+// ThreadSanitizer intercepts pthread_mutex_lock and timedlock, not clocklock: told by hand that
+// the ledger's lock was taken, it does not report each unlock as one of an unlocked mutex.
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace kvasync {
 namespace {
 
@@ -147,6 +153,24 @@ void copy_text(char* out, size_t size, const std::string& text) {
 
 std::string read_text(const char* in, size_t size) {
   return std::string(in, strnlen(in, size));
+}
+
+// `op` is written by its owner while others read it, outside the lock (a sequence count tells a
+// torn read): byte by byte as relaxed atomics, so that the race is one the language allows.
+void store_op(char* out, size_t size, const std::string& text) {
+  char staged[kLedgerOpBytes];
+  copy_text(staged, sizeof staged, text);
+  for (size_t i = 0; i < size && i < sizeof staged; ++i) {
+    __atomic_store_n(&out[i], staged[i], __ATOMIC_RELAXED);
+  }
+}
+
+std::string load_op(const char* in, size_t size) {
+  char staged[kLedgerOpBytes];
+  for (size_t i = 0; i < size && i < sizeof staged; ++i) {
+    staged[i] = __atomic_load_n(&in[i], __ATOMIC_RELAXED);
+  }
+  return read_text(staged, std::min(size, sizeof staged));
 }
 
 void init_file(LedgerFile* file) {
@@ -482,7 +506,15 @@ bool Ledger::lock(Clock::time_point deadline) noexcept {
   if (until.tv_sec < 0 || until.tv_nsec < 0 || until.tv_nsec >= 1000000000) {
     return false;  // a deadline that is no time at all: the caller's error, not the lock's
   }
+#if defined(__SANITIZE_THREAD__)
+  __tsan_mutex_pre_lock(&file_->header.mutex, __tsan_mutex_try_lock);
+#endif
   const int rc = pthread_mutex_clocklock(&file_->header.mutex, CLOCK_MONOTONIC, &until);
+#if defined(__SANITIZE_THREAD__)
+  const bool taken = rc == 0 || rc == EOWNERDEAD;
+  __tsan_mutex_post_lock(&file_->header.mutex,
+                         __tsan_mutex_try_lock | (taken ? 0 : __tsan_mutex_try_lock_failed), 0);
+#endif
   if (rc == 0) {
     lock_error_.store(0);  // usable again (the file was replaced, or the error was passing)
     return true;
@@ -631,7 +663,7 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
     // A torn read of `op` (its owner writing it meanwhile) is retried a few times, then shown.
     for (int attempt = 0; attempt < 8; ++attempt) {
       const uint32_t before = e.op_generation.load(std::memory_order_acquire);
-      v.op = read_text(e.op, sizeof e.op);
+      v.op = load_op(e.op, sizeof e.op);
       const int64_t started = e.op_started_ns.load();
       v.op_age_s = started > 0 ? std::max<int64_t>(0, now - started) / 1e9 : 0.0;
       if (before % 2 == 0 && e.op_generation.load(std::memory_order_acquire) == before) break;
@@ -760,7 +792,7 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
   e.demand_bytes.store(0);
   seen_limit_generation_ = e.limit_generation.load();
   e.op_started_ns.store(0);
-  copy_text(e.op, sizeof e.op, "");
+  store_op(e.op, sizeof e.op, "");
   e.state.store(1, std::memory_order_release);  // last: the entry is whole before it counts
   ledger_->unlock();
 }
@@ -949,9 +981,9 @@ void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_
   e.used_bytes.store(used, std::memory_order_relaxed);
   e.limit_bytes.store(limit, std::memory_order_relaxed);
   e.waiters.store(waiters, std::memory_order_relaxed);
-  if (read_text(e.op, sizeof e.op) != op) {
+  if (load_op(e.op, sizeof e.op) != op) {
     e.op_generation.fetch_add(1, std::memory_order_acq_rel);  // odd: writing
-    copy_text(e.op, sizeof e.op, op);
+    store_op(e.op, sizeof e.op, op);
     e.op_generation.fetch_add(1, std::memory_order_acq_rel);
   }
   e.op_started_ns.store(op.empty() ? 0 : monotonic_ns() - static_cast<int64_t>(op_age_s * 1e9));

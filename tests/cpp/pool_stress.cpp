@@ -30,11 +30,18 @@
 //  - no pool call takes long (none may wait), close(t) returns within t plus the idle grace;
 //  - at the end of a round left open: the pages mapped equal what the pool counts as mapped,
 //    trim() leaves nothing mapped, and close() joins the mapper and unmaps everything.
+// Share rounds (every other round): the pool joins a share ledger (a file in /dev/shm of this
+// process) with a neighbour pool of its own backend, which allocs, frees and reports demand from
+// a thread of its own; the workers report demand too, and a checker thread snapshots the ledger:
+// the committed bytes never add up past the budget. After both pools close, the ledger file is
+// gone (the last member out removes it). So the grants, the fair shares, the demand and the
+// watchers' ticks run under the sanitizers too.
 // Limitations: the pool's page-level state is seen through stats(), not page by page. Running out
 // of memory (bad_alloc) inside the pool's own bookkeeping is not injected: the mapper catches it
 // (Mapper::run_batch) but the job it interrupted is left half settled. --seed repeats the
 // choices of each thread, not the interleaving.
 #include <poll.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -57,6 +64,7 @@
 #include "common/errors.h"
 #include "backends/fault_backend.h"
 #include "backends/host_backend.h"
+#include "ledger/ledger.h"
 #include "pool/page_pool.h"
 #include "common/wakeup.h"
 
@@ -88,7 +96,8 @@ struct Counts {
       nowaits{0}, would_block{0}, frees{0}, fenced_frees{0}, bad_frees{0}, trims{0},
       resizes{0}, timer_cancels{0}, user_cancels{0}, closes_joined{0}, closes_abandoned{0},
       fault_changes{0}, stats_checks{0}, maps{0}, unmaps{0}, injected{0}, fences{0},
-      closed_errors{0}, out_of_blocks{0}, drains_seen{0};
+      closed_errors{0}, out_of_blocks{0}, drains_seen{0}, share_rounds{0}, ledger_checks{0},
+      neighbour_ops{0}, demands{0};
 };
 Counts counts;
 
@@ -291,7 +300,24 @@ class Round {
     auto backend = std::make_shared<kvasync::FaultBackend>(tracking_, faults_);
     kvasync::PoolConfig config{g_.num_blocks,  g_.blocks_per_page, g_.limit_pages,
                                g_.reserve_low, g_.reserve_high,    g_.default_timeout};
-    pool_ = kvasync::PagePool::create(backend, config);
+    shared_ = rng_() % 2 == 0;
+    if (shared_) {
+      // Note [Pool stress]: share rounds. Budget: 1 to 12 pages of 8 KiB.
+      ledger_path_ = "/dev/shm/kvasync-pool-stress-" + std::to_string(getpid());
+      budget_ = static_cast<int64_t>(1 + rng_() % 12) * kSharePageBytes;
+      auto member = std::make_shared<kvasync::ShareMember>(
+          kvasync::Ledger::open(ledger_path_, true), "round", budget_, kSharePageBytes);
+      pool_ = kvasync::PagePool::create(backend, config, member);
+      auto neighbour_member = std::make_shared<kvasync::ShareMember>(
+          kvasync::Ledger::open(ledger_path_, true), "neighbour", budget_, kSharePageBytes);
+      kvasync::PoolConfig neighbour_config{32, 4, 8, 0, 2, 0.5};
+      neighbour_ = kvasync::PagePool::create(std::make_shared<kvasync::HostBackend>(2, 8, 4096),
+                                             neighbour_config, neighbour_member);
+      ledger_ = kvasync::Ledger::open(ledger_path_, false);
+      counts.share_rounds++;
+    } else {
+      pool_ = kvasync::PagePool::create(backend, config);
+    }
     tracking_->set_pool(pool_);
     owner_.reset(new std::atomic<uint8_t>[g_.num_blocks]);
     for (int64_t b = 0; b < g_.num_blocks; ++b) owner_[b] = 0;
@@ -307,6 +333,10 @@ class Round {
     threads.emplace_back([this] { drainer(); });
     threads.emplace_back([this] { timer(); });
     threads.emplace_back([this] { chaos(rng_seed(10)); });
+    if (shared_) {
+      threads.emplace_back([this] { neighbour(rng_seed(20)); });
+      threads.emplace_back([this] { check_ledger(); });
+    }
     if (close_at >= 0) {
       threads.emplace_back([this, close_at, close_timeout, stuck] {
         std::this_thread::sleep_for(Seconds(close_at));
@@ -531,6 +561,11 @@ class Round {
                  std::to_string(drain) + " out of range");
           }
           if (drain >= 0) counts.drains_seen++;
+          if (shared_ && rng() % 2 == 0) {
+            // An engine's report (Note [Fair share under pressure]), at times beyond capacity.
+            timed("set_demand", [&] { pool_->set_demand(rng() % (2 * g_.num_blocks + 1)); });
+            counts.demands++;
+          }
         }
       } catch (const kvasync::AllocatorClosedError&) {
         counts.closed_errors++;
@@ -653,6 +688,86 @@ class Round {
     }
   }
 
+  // The neighbour of a share round: another member of the ledger, with its own pool.
+  void neighbour(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<std::vector<int64_t>> held;
+    std::map<int64_t, Clock::time_point> waiting;  // request id -> when to cancel it
+    auto take = [&](kvasync::Completion& c) {
+      waiting.erase(c.request_id);
+      if (c.status == kvasync::CompletionStatus::kOk) held.push_back(std::move(c.blocks));
+    };
+    while (!stop_) {
+      counts.neighbour_ops++;
+      try {
+        const int op = static_cast<int>(rng() % 10);
+        const int64_t n = 1 + static_cast<int64_t>(rng() % 8);
+        if (op < 3) {
+          if (auto blocks = timed("neighbour alloc_nowait", [&] { return neighbour_->alloc_nowait(n); })) {
+            held.push_back(std::move(*blocks));
+          }
+        } else if (op < 5) {
+          auto result = timed("neighbour alloc", [&] {
+            return neighbour_->alloc(n, monotonic_s() + 0.005 + (rng() % 50) / 1000.0);
+          });
+          if (auto* blocks = std::get_if<std::vector<int64_t>>(&result)) {
+            held.push_back(std::move(*blocks));
+          } else {
+            waiting[std::get<int64_t>(result)] = after(0.005 + (rng() % 50) / 1000.0);
+          }
+        } else if (op < 8) {
+          if (!held.empty()) {
+            const size_t k = rng() % held.size();
+            timed("neighbour free", [&] { neighbour_->free(held[k]); });
+            held[k] = std::move(held.back());
+            held.pop_back();
+          }
+        } else {
+          timed("neighbour set_demand", [&] { neighbour_->set_demand(rng() % 40); });
+        }
+      } catch (const kvasync::OutOfBlocksError&) {
+        // Above the whole budget of a small share: refused at once, as it should be.
+      }
+      for (kvasync::Completion& c : neighbour_->drain()) take(c);
+      const auto now = Clock::now();
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        if (it->second > now) {
+          ++it;
+        } else if (neighbour_->cancel(it->first, true)) {
+          it = waiting.erase(it);  // cancelled while waiting: no record will come
+        } else {
+          it->second = after(kIdleBound);  // its record is queued: the next drain takes it
+          ++it;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 800));
+    }
+    // Every waiter cancelled or served, every block given back.
+    const auto give_up = after(kIdleBound);
+    while (!waiting.empty()) {
+      for (kvasync::Completion& c : neighbour_->drain()) take(c);
+      for (auto it = waiting.begin(); it != waiting.end();) {
+        it = neighbour_->cancel(it->first, false) ? waiting.erase(it) : std::next(it);
+      }
+      CHECK(Clock::now() < give_up, "a neighbour's record never came");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (auto& blocks : held) neighbour_->free(blocks);
+  }
+
+  // The share's budget holds at every snapshot (Note [Fair share under pressure]).
+  void check_ledger() {
+    while (!stop_) {
+      const std::vector<kvasync::EntryView> entries = ledger_->snapshot(kIdleBound);
+      int64_t committed = 0;
+      for (const kvasync::EntryView& e : entries) committed += e.committed_bytes;
+      CHECK(committed <= budget_, "the share committed " + std::to_string(committed) +
+                                      " bytes, past its budget of " + std::to_string(budget_));
+      counts.ledger_checks++;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   bool close_pool(double timeout) {
     tracking_->quiet();  // close's own unmaps are not injected with failures
     closed_at_ = Clock::now();
@@ -721,6 +836,11 @@ class Round {
       CHECK(tracking_->mapped_pages() == 0 || tracking_->fence_timeouts() > 0,
             "pages still mapped after close");
     }
+    if (shared_) {
+      CHECK(neighbour_->close(5.0), "the neighbour's idle mapper was not joined");
+      neighbour_.reset();
+      ledger_.reset();
+    }
     // An abandoned mapper ends by itself once its (released) fault returns; it holds the last
     // reference to the pool then. Wait for that, bounded.
     std::weak_ptr<kvasync::PagePool> gone = pool_;
@@ -728,6 +848,13 @@ class Round {
     const auto give_up = after(kIdleBound);
     while (!gone.expired()) {
       CHECK(Clock::now() < give_up, "an abandoned mapper thread never ended");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    // Both members left (a pool whose close abandoned its mapper stays in the share, charged,
+    // until it is gone; its watcher then leaves within a tick): the last one out removed the
+    // ledger file.
+    while (shared_ && access(ledger_path_.c_str(), F_OK) == 0) {
+      CHECK(Clock::now() < give_up, "the ledger file outlived its members");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
@@ -774,6 +901,12 @@ class Round {
   std::shared_ptr<TrackingBackend> tracking_;
   std::shared_ptr<kvasync::FaultState> faults_;
   std::shared_ptr<kvasync::PagePool> pool_;
+  static constexpr int64_t kSharePageBytes = 8192;
+  bool shared_ = false;  // a share round (Note [Pool stress])
+  std::string ledger_path_;
+  int64_t budget_ = 0;
+  std::shared_ptr<kvasync::PagePool> neighbour_;
+  std::shared_ptr<kvasync::Ledger> ledger_;
   std::unique_ptr<std::atomic<uint8_t>[]> owner_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> closed_{false};
@@ -830,5 +963,9 @@ int main(int argc, char** argv) {
               counts.maps.load(), counts.unmaps.load(), counts.injected.load(),
               counts.fault_changes.load(), counts.stats_checks.load());
   std::printf("  drains seen by the scheduler's view: %" PRId64 "\n", counts.drains_seen.load());
+  std::printf("  share rounds: %" PRId64 ", %" PRId64 " ledger checks, %" PRId64
+              " neighbour ops, %" PRId64 " demand reports\n",
+              counts.share_rounds.load(), counts.ledger_checks.load(),
+              counts.neighbour_ops.load(), counts.demands.load());
   return 0;
 }
