@@ -24,8 +24,15 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvasync
 from kvasync import KVAsyncError, _core
-from kvasync._group import RankMapper, TensorParallelGroup, group_path, open_group
+from kvasync._group import (
+    RankMapper,
+    TensorParallel,
+    TensorParallelGroup,
+    group_path,
+    open_group,
+)
 
 HERE = Path(__file__).resolve().parent
 RANK_WORKER = HERE / "tp_rank_worker.py"
@@ -449,3 +456,29 @@ def test_tensor_parallel_rank_join_waits_for_the_scheduler_within_its_timeout(na
 def test_tensor_parallel_bad_group_name_is_a_value_error(bad: str) -> None:
     with pytest.raises(ValueError, match="group name"):
         group_path(bad)
+
+
+async def test_tensor_parallel_allocator_blocks_are_usable_on_every_rank(
+    name: str, processes: list[Process]
+) -> None:
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    tensor_parallel = TensorParallel(name, 2, map_timeout=EVENT_TIMEOUT)
+    config = kvasync.Config(
+        backend="host", max_blocks=1024, reserve_pages=(0, 0), tensor_parallel=tensor_parallel
+    )
+    async with kvasync.open_allocator(layout, config) as kv:
+        # Started after the scheduler: the first map waits for them to join, within its timeout.
+        ranks = [start_rank(name, r, "--layout=2,2,64,16", "--max-blocks=1024") for r in range(2)]
+        processes += ranks
+
+        blocks = await kv.alloc(600, timeout=EVENT_TIMEOUT)
+
+        for rank in ranks:
+            assert rank.read()["event"] == "joined"
+            assert rank.ask(f"write_blocks {json.dumps(blocks)}") == {
+                "event": "written",
+                "ok": True,
+            }
+        kv.free(blocks)
+    for rank in ranks:
+        assert rank.ask("status")["mapped"] == []  # close unmapped every page on every rank

@@ -8,7 +8,13 @@ JSON line ``{"event": "joined", ...}``, then answers commands read from stdin, o
 - ``status``: ``{"event": "status", "mapped": [...], "jobs_done", "hung_maps", "left", ...}``;
 - ``delay S`` / ``hang`` / ``fail N`` / ``release``: fault injection in this rank's backend;
 - ``wait_left S``: waits (bounded) until the rank left: ``{"event": "left", "ok": bool, ...}``;
+- ``write_blocks [ids]``: with ``--layout``, fills those blocks of every KV buffer (torch views
+  over this rank's ranges, as an engine's worker holds them) and reads them back;
 - ``close`` (or end of input): leaves the group and exits.
+
+With ``--layout L,H,D,B`` (layers, KV heads, head dim, block size) and ``--max-blocks``, the
+geometry is the one ``kvasync.Allocator`` computes for that layout on the host backend, instead of
+``--ranges``/``--pages``/``--page-size``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +49,32 @@ def touch(mapper: RankMapper, backend: _core.Backend, rank: int) -> list[int]:
     return pages
 
 
+def layout_geometry(spec: str, max_blocks: int) -> tuple[Any, int, int]:
+    """The layout, page size and page count an Allocator uses for it (host backend)."""
+    import kvasync
+    from kvasync._backends import page_size_for
+
+    layers, heads, head_dim, block_size = (int(x) for x in spec.split(","))
+    layout = kvasync.KVLayout(
+        num_layers=layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size
+    )
+    config = kvasync.Config(backend="host", max_blocks=max_blocks)
+    page_size = layout.page_unit(page_size_for(layout, config))
+    return layout, page_size, -(-max_blocks * layout.range_block_bytes // page_size)
+
+
+def write_blocks(buffers: list[Any], blocks: list[int], rank: int) -> bool:
+    import torch
+
+    ids = torch.tensor(blocks, dtype=torch.long)
+    for index, buffer in enumerate(buffers):
+        value = float(rank * 10 + index + 1)
+        buffer[ids] = value
+        if not bool((buffer[ids] == value).all()):
+            return False
+    return True
+
+
 def status(mapper: RankMapper, faults: _core.FaultState) -> dict[str, object]:
     return {
         "mapped": mapper.mapped_page_ids(),
@@ -56,9 +89,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--group", required=True)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--ranges", type=int, required=True)
-    parser.add_argument("--pages", type=int, required=True)
-    parser.add_argument("--page-size", type=int, required=True)
+    parser.add_argument("--ranges", type=int)
+    parser.add_argument("--pages", type=int)
+    parser.add_argument("--page-size", type=int)
+    parser.add_argument("--layout")
+    parser.add_argument("--max-blocks", type=int)
     parser.add_argument("--join-timeout", type=float, default=10.0)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--hang", action="store_true")
@@ -68,7 +103,15 @@ def main() -> None:
     faults.delay(args.delay)
     if args.hang:
         faults.hang()
-    host = _core.HostBackend(args.ranges, args.pages, args.page_size)
+    buffers: list[Any] = []
+    if args.layout:
+        layout, page_size, num_pages = layout_geometry(args.layout, args.max_blocks)
+        host = _core.HostBackend(layout.num_ranges, num_pages, page_size)
+        from kvasync._backends import buffer_views
+
+        buffers = buffer_views(layout, host, args.max_blocks)
+    else:
+        host = _core.HostBackend(args.ranges, args.pages, args.page_size)
     backend = _core.with_faults(host, faults)
     mapper = RankMapper(args.group, args.rank, backend, timeout=args.join_timeout)
     say("joined", rank=args.rank, pid=os.getpid())
@@ -76,6 +119,8 @@ def main() -> None:
         command, *rest = line.split()
         if command == "touch":
             say("touched", pages=touch(mapper, host, args.rank))
+        elif command == "write_blocks":
+            say("written", ok=write_blocks(buffers, json.loads(" ".join(rest)), args.rank))
         elif command == "status":
             say("status", **status(mapper, faults))
         elif command == "delay":

@@ -120,6 +120,8 @@ def create_backend(
         )
     if config.faults is not None:
         backend = _core.with_faults(backend, config.faults._state)
+    if config.tensor_parallel is not None:  # outermost: the group maps on its ranks too
+        backend = config.tensor_parallel.open_scheduler(backend)
     return backend
 
 

@@ -9,6 +9,7 @@ from . import _validate
 from ._share_names import check_share
 
 if TYPE_CHECKING:
+    from ._group import TensorParallel
     from .testing import FaultInjector
 
 __all__ = ["Config"]
@@ -51,6 +52,9 @@ class Config:
             among them applies). None: on cuda, ``gpu_utilization`` of the device's memory; on
             host, no budget of this allocator's own. Needs ``share``.
         name: this allocator's name in the share's ledger; None = the program's name.
+        tensor_parallel: a ``kvasync._group.TensorParallel``: this allocator is the scheduler
+            of a tensor-parallel group, and every page is mapped on each rank too. None: no
+            group.
 
     Raises:
         TypeError: a value of the wrong type (a bool is not a number here).
@@ -71,12 +75,13 @@ class Config:
     share: str | None = None
     device_budget: int | None = None
     name: str | None = None
+    tensor_parallel: TensorParallel | None = None
 
     def __post_init__(self) -> None:
         # Note [Argument errors] in _validate.py: a wrong type is a TypeError, a wrong value a
         # ValueError, each naming the field. Numbers are stored as plain int/float (a numpy
         # integer or a 0-d tensor passes the check, and must not travel further as itself).
-        from . import testing
+        from . import _group, testing
 
         def store(name: str, value: object) -> None:
             object.__setattr__(self, name, value)  # a frozen dataclass, still being built
@@ -103,6 +108,9 @@ class Config:
         store("stall_warning", stall)
         _validate.flag(self.zero_on_alloc, "Config.zero_on_alloc")
         _validate.instance(self.faults, "Config.faults", testing.FaultInjector, optional=True)
+        _validate.instance(
+            self.tensor_parallel, "Config.tensor_parallel", _group.TensorParallel, optional=True
+        )
         # The ordinal goes to the driver as a C int.
         store(
             "device", _validate.integer(self.device, "Config.device", minimum=0, maximum=2**31 - 1)

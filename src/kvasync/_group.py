@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TypedDict
 
 from . import _core
 
-__all__ = ["RankMapper", "RankStatus", "TensorParallelGroup", "group_path", "open_group"]
+__all__ = [
+    "RankMapper",
+    "RankStatus",
+    "TensorParallel",
+    "TensorParallelGroup",
+    "group_path",
+    "open_group",
+]
 
 # The directory of the groups' files: shared memory, like the share ledgers'.
 GROUP_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MAX_RANKS = 16  # kGroupMaxRanks in csrc/group/group_file.h
 
 
 class RankStatus(TypedDict):
@@ -195,6 +204,62 @@ def open_group(
             group.close()
             raise
     return group
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """``Config.tensor_parallel``: the allocator is the scheduler of a tensor-parallel group.
+
+    Its backend (the one ``Config.backend`` picks, in this process) becomes the group's local
+    backend; every page it maps is mapped by each rank's ``RankMapper`` too, and an alloc
+    completes only when all of them have. The group's file is removed when the allocator's
+    backend is released; ``Allocator.close()`` unmaps every page on every rank first.
+
+    Args:
+        group: the group's name (``group_path``), which the ranks join.
+        num_ranks: how many rank processes map every page (1..16).
+        ready_timeout: seconds the allocator's open waits for every rank to join, blocking the
+            caller; None: it does not wait (the first map waits, within ``map_timeout``).
+        map_timeout: seconds the mapper thread waits for every rank to map a job.
+        unmap_timeout: the same for an unmap.
+
+    Raises:
+        TypeError, ValueError: a bad name, rank count or timeout.
+    """
+
+    group: str
+    num_ranks: int
+    ready_timeout: float | None = None
+    map_timeout: float = 5.0
+    unmap_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        group_path(self.group)
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
+            raise TypeError(f"num_ranks must be an int, got {type(self.num_ranks).__name__}")
+        if not 1 <= self.num_ranks <= MAX_RANKS:
+            raise ValueError(f"num_ranks must be in 1..{MAX_RANKS}, got {self.num_ranks}")
+        if self.ready_timeout is not None:
+            _check_timeout("ready_timeout", self.ready_timeout)
+        _check_timeout("map_timeout", self.map_timeout)
+        _check_timeout("unmap_timeout", self.unmap_timeout)
+
+    def open_scheduler(self, local: _core.Backend) -> _core.Backend:
+        """Opens the group on ``local`` and returns the backend to build the pool on.
+
+        Raises:
+            KVAsyncError: the name is in use by a live scheduler, or a rank did not join within
+                ``ready_timeout``.
+        """
+        group = open_group(
+            self.group,
+            self.num_ranks,
+            local,
+            ready_timeout=self.ready_timeout,
+            map_timeout=self.map_timeout,
+            unmap_timeout=self.unmap_timeout,
+        )
+        return group.backend
 
 
 class RankMapper:
