@@ -743,8 +743,10 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
   if (budget_bytes < 0) throw std::invalid_argument("device_budget must not be negative");
   // The last member to leave removes the file under the lock (Note [Share ledger]): a file found
   // removed once locked is given up for the one now at the path, created anew if need be.
+  // One deadline for every attempt: joining waits kJoinLockTimeout in all (the caller's thread).
+  const auto deadline = Clock::now() + kJoinLockTimeout;
   for (int attempt = 0;; ++attempt) {
-    if (!ledger_->lock(Clock::now() + kJoinLockTimeout)) {
+    if (!ledger_->lock(deadline)) {
       throw LedgerError("cannot join the share: " +
                         ledger_->lock_failure(std::chrono::duration<double>(kJoinLockTimeout).count()));
     }
