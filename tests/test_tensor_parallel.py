@@ -482,3 +482,23 @@ async def test_tensor_parallel_allocator_blocks_are_usable_on_every_rank(
         kv.free(blocks)
     for rank in ranks:
         assert rank.ask("status")["mapped"] == []  # close unmapped every page on every rank
+
+
+def test_tensor_parallel_maps_complete_while_the_scheduler_holds_the_gil(
+    name: str, processes: list[Process]
+) -> None:
+    # Seed 000 with TP: a native thread that needs the GIL for its per-rank IPC stalls while the
+    # caller holds it. Here the scheduler's thread holds the GIL (busy, never released) until the
+    # reserve refill (2 pages) has been mapped on every rank.
+    group = open_group(name, 2, local_backend(), map_timeout=10.0)
+    processes += start_ranks(name, 2)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = _core.PagePool(
+        group.backend, NUM_PAGES * BLOCKS_PER_PAGE, BLOCKS_PER_PAGE, NUM_PAGES, 2, 2, 10.0
+    )
+
+    assert _core.spin_holding_gil(pool, 2, 10.0)
+
+    for rank in processes:
+        assert rank.ask("touch")["pages"] == [0, 1]
+    close_all(pool, group)

@@ -249,7 +249,11 @@ SchedulerGroup::Outcome SchedulerGroup::post_all(GroupJobKind kind, int64_t firs
   std::lock_guard<std::mutex> lock(post_mutex_);
   seqs.assign(static_cast<size_t>(num_ranks_), 0);
   Outcome outcome;
-  if (closed_) return {false, "group '" + name_ + "' is closed"};
+  // Closed: the ranks drop every page when they see it, so an unmap has nothing to post.
+  if (closed_) {
+    if (kind == GroupJobKind::kUnmap) return {};
+    return {false, "group '" + name_ + "' is closed"};
+  }
   for (int r = 0; r < num_ranks_; ++r) {
     RankRecord& rec = file_->ranks[r];
     if (rec.state.load(std::memory_order_acquire) != static_cast<uint32_t>(RankState::kJoined)) {

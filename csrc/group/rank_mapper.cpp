@@ -314,7 +314,8 @@ bool RankMapper::wait_left(double timeout_s) {
   while (!left_.load()) {
     const auto now = Clock::now();
     if (now >= deadline) return false;
-    left_wakeup_.wait_for(deadline - now);
+    // In slices: another waiter may take the one notification.
+    left_wakeup_.wait_for(std::min<Clock::duration>(deadline - now, kLivenessSlice));
   }
   return true;
 }
