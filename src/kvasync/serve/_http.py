@@ -6,7 +6,8 @@ events, ``data: {...}`` chunks then ``data: [DONE]``), ``GET /v1/models``, ``GET
 cache's own metrics) and ``GET /health``. The engine is opened in the app's lifespan, so its
 allocator belongs to uvicorn's event loop; the server logs its model, device and KV settings then.
 
-What a request gets (every error is OpenAI's error object, see ``_openai_protocol``):
+What a request gets (every error is OpenAI's error object; the bodies, errors and answers' shapes
+are in ``_openai_protocol``):
 
 ====================================================  ======  ========================
 what happened                                         status  ``code``
@@ -45,11 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -72,10 +72,14 @@ from ._chat import render_chat
 from ._engine import Engine, EngineConfig
 from ._errors import DeadlineExceeded, EngineClosed, RequestFailed
 from ._openai_protocol import (
+    CHAT,
+    COMPLETION,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    ResponseShape,
     parse_body,
+    sse,
 )
 from ._stop_strings import StopStrings
 
@@ -362,57 +366,11 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, _T])
     return task.result()
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """How one route spells its answers: completions (``text``) or chat (``message``/``delta``)."""
-
-    prefix: str  # of the id
-    whole_object: str
-    chunk_object: str
-    whole_choice: Callable[[str, str | None], dict[str, Any]]
-    chunk_choice: Callable[[str, str | None], dict[str, Any]]
-    first_chunk: dict[str, Any] | None  # chat's opening delta
-
-
-def _text_choice(text: str, finish: str | None) -> dict[str, Any]:
-    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
-
-
-def _message_choice(text: str, finish: str | None) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text}
-    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-
-
-def _delta_choice(text: str, finish: str | None) -> dict[str, Any]:
-    delta = {"content": text} if text else {}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-
-
-_COMPLETION = _Shape("cmpl", "text_completion", "text_completion", _text_choice, _text_choice, None)
-_CHAT = _Shape(
-    "chatcmpl",
-    "chat.completion",
-    "chat.completion.chunk",
-    _message_choice,
-    _delta_choice,
-    {
-        "index": 0,
-        "delta": {"role": "assistant", "content": ""},
-        "logprobs": None,
-        "finish_reason": None,
-    },
-)
-
-
 async def _answer(
     server: _Server,
     request: Request,
     params: _Params,
-    shape: _Shape,
+    shape: ResponseShape,
     *,
     stream: bool,
     include_usage: bool,
@@ -448,23 +406,23 @@ async def _answer(
         chunk_base["usage"] = None  # OpenAI: null on every chunk but the last
 
     def chunk(text: str, finish: str | None) -> str:
-        return _sse({**chunk_base, "choices": [shape.chunk_choice(text, finish)]})
+        return sse({**chunk_base, "choices": [shape.chunk_choice(text, finish)]})
 
     async def events() -> AsyncIterator[str]:
         # NOTE: Starlette cancels this generator when the client disconnects; pieces() then
         # aborts the request.
         try:
             if shape.first_chunk is not None:
-                yield _sse({**chunk_base, "choices": [shape.first_chunk]})
+                yield sse({**chunk_base, "choices": [shape.first_chunk]})
             if echo:
                 yield chunk(echo, None)
             async for piece in generation.pieces():
                 yield chunk(piece, None)
             yield chunk("", generation.finish_reason)
             if include_usage:
-                yield _sse({**chunk_base, "choices": [], "usage": generation.usage()})
+                yield sse({**chunk_base, "choices": [], "usage": generation.usage()})
         except OpenAIError as error:
-            yield _sse(error.body())
+            yield sse(error.body())
         yield "data: [DONE]\n\n"
 
     return _GenerationResponse(events(), generation)
@@ -600,7 +558,7 @@ def create_app(config: EngineConfig, *, max_waiting: int | None = None) -> FastA
             server,
             request,
             _params(body, prompt, body.max_tokens),
-            _COMPLETION,
+            COMPLETION,
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
             echo=prompt if body.echo else "",
@@ -616,7 +574,7 @@ def create_app(config: EngineConfig, *, max_waiting: int | None = None) -> FastA
             server,
             request,
             _params(body, render_chat(body.messages), body.output_limit()),
-            _CHAT,
+            CHAT,
             stream=body.stream,
             include_usage=body.stream_options is not None and body.stream_options.include_usage,
         )

@@ -1,4 +1,5 @@
-"""The OpenAI wire protocol of ``kvasync serve``: request bodies, and the error object.
+"""The OpenAI wire protocol of ``kvasync serve``: request bodies, the error object, and how each
+route spells its answers (``ResponseShape``: whole or as server-sent event chunks).
 
 Request bodies are validated strictly (``"max_tokens": "4"`` and ``"stream": "yes"`` are refused,
 never converted) and unknown fields are refused: a client that asks for something this server
@@ -12,19 +13,26 @@ Every error, bad JSON and unknown routes included, is OpenAI's error object:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 __all__ = [
+    "CHAT",
+    "COMPLETION",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "OpenAIError",
+    "ResponseShape",
     "StreamOptions",
     "TextPart",
     "parse_body",
+    "sse",
 ]
 
 MAX_STOP_STRINGS = 4  # OpenAI's own bound on ``stop``
@@ -236,3 +244,55 @@ def _refuse(param: str, message: str) -> OpenAIError:
 def _only(value: float | None, neutral: float, param: str, what: str) -> None:
     if value is not None and value != neutral:
         raise _refuse(param, f"this server supports only {what}, got {param} {value!r}")
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """``payload`` as one server-sent event (``data: {...}`` and a blank line)."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """How one route spells its answers: completions (``text``) or chat (``message``/``delta``)."""
+
+    prefix: str  # of the id
+    whole_object: str
+    chunk_object: str
+    whole_choice: Callable[[str, str | None], dict[str, Any]]
+    chunk_choice: Callable[[str, str | None], dict[str, Any]]
+    first_chunk: dict[str, Any] | None  # chat's opening delta
+
+
+def _text_choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+
+def _message_choice(text: str, finish: str | None) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text}
+    return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+
+def _delta_choice(text: str, finish: str | None) -> dict[str, Any]:
+    delta = {"content": text} if text else {}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+COMPLETION = ResponseShape(
+    "cmpl", "text_completion", "text_completion", _text_choice, _text_choice, None
+)
+CHAT = ResponseShape(
+    "chatcmpl",
+    "chat.completion",
+    "chat.completion.chunk",
+    _message_choice,
+    _delta_choice,
+    {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    },
+)
