@@ -2,7 +2,8 @@
 
 Named by the ``kvasync`` command group (``kvasync/cli.py``), which imports this module when one of
 them runs. Each takes ``--share NAME`` (default: the ``KVASYNC_SHARE`` environment variable, else
-``kvasync.share.default_share(0)``). Sizes are read and written by ``kvasync._sizes``.
+``kvasync.share.default_share(0)``). A size is read by ``kvasync.cli.SIZE``, as every command
+reads one, and written by ``kvasync._sizes``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from rich.text import Text
 from .._errors import KVAsyncError
 from .._sizes import format_bytes as format_bytes
 from .._sizes import parse_size as parse_size
+from ..cli import SIZE
 from . import _ledger as ledger
 
 __all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
@@ -245,16 +247,9 @@ def top_command(share: str | None, interval: float, count: int) -> None:
         pass
 
 
-def _size_argument(ctx: click.Context, param: click.Parameter, value: str) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as error:
-        raise click.BadParameter(str(error), ctx, param) from error
-
-
 @click.command("limit", params=[_share_option()])
 @click.argument("pid", type=click.IntRange(min=1))
-@click.argument("size", callback=_size_argument)
+@click.argument("size", type=SIZE)
 def limit_command(share: str | None, pid: int, size: int) -> None:
     """Sets the memory limit of process PID's allocators to SIZE (12GiB, 512MiB, ...).
 
