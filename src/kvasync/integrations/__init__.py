@@ -5,5 +5,7 @@ One module each, imported only by whoever uses it, so that the core never needs 
 - ``kvasync.integrations.metrics``: a Prometheus collector of an allocator's stats
   (``kvasync[metrics]``);
 - ``kvasync.integrations.pytest_plugin``: the ``kv_allocator`` and ``kv_faults`` fixtures
-  (registered through the ``pytest11`` entry point).
+  (registered through the ``pytest11`` entry point);
+- ``kvasync.integrations.vllm``: the vLLM plugin (``kvasync[vllm]``; vLLM loads it through its
+  ``vllm.general_plugins`` entry point).
 """
