@@ -8,6 +8,7 @@ process on the group's backend, except where the scheduler's own exit is the poi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -502,3 +503,33 @@ def test_tensor_parallel_maps_complete_while_the_scheduler_holds_the_gil(
     for rank in processes:
         assert rank.ask("touch")["pages"] == [0, 1]
     close_all(pool, group)
+
+
+async def test_tensor_parallel_allocator_alloc_raises_map_error_naming_a_killed_rank(
+    name: str, processes: list[Process]
+) -> None:
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    tensor_parallel = TensorParallel(name, 2, ready_timeout=EVENT_TIMEOUT, map_timeout=20.0)
+    config = kvasync.Config(
+        backend="host", max_blocks=1024, reserve_pages=(0, 0), tensor_parallel=tensor_parallel
+    )
+    # Started first: the allocator's open waits for them (ready_timeout).
+    ranks = [
+        start_rank(name, 0, "--layout=2,2,64,16", "--max-blocks=1024"),
+        start_rank(name, 1, "--layout=2,2,64,16", "--max-blocks=1024", "--hang"),
+    ]
+    processes += ranks
+    async with kvasync.open_allocator(layout, config) as kv:
+        for rank in ranks:
+            assert rank.read()["event"] == "joined"
+        alloc = asyncio.ensure_future(kv.alloc(8, timeout=30.0))
+        deadline = time.monotonic() + 10.0
+        # Asked from a thread: the loop keeps running (and so starts the alloc) meanwhile.
+        while (await asyncio.to_thread(ranks[1].ask, "status"))["hung_maps"] != 1:
+            assert time.monotonic() < deadline, "rank 1 never started its map"
+        victim = ranks[1].pid
+        ranks[1].kill()
+
+        with pytest.raises(kvasync.MapError, match=rf"rank 1 \(pid {victim}\) died"):
+            await asyncio.wait_for(alloc, 10.0)
+    assert ranks[0].ask("status")["mapped"] == []
