@@ -84,8 +84,9 @@ async def run_demo(
                 progress.update(
                     task,
                     advance=1,
-                    status=f"running {s.running:3d}  waiting {s.waiting:3d}  preempted "
-                    f"{s.preemptions:3d}  KV {s.kv_mapped_bytes / 2**20:5.2f} MiB",
+                    # One space apart: the row fits 80 columns (a bar of a few cells there).
+                    status=f"running {s.running:3d} waiting {s.waiting:3d} preempted "
+                    f"{s.preemptions:3d} KV {s.kv_mapped_bytes / 2**20:5.2f} MiB",
                 )
 
             await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(prompts)))
@@ -101,8 +102,8 @@ def run_demo_command(
     """The body of ``kvasync demo`` (see serve/_cli.py)."""
     console = Console()
     console.print(
-        f"kvasync demo: {requests} concurrent requests in {_WAVES} waves, tiny model, KV memory "
-        f"limit {format_bytes(memory_limit)}"
+        f"kvasync demo: {requests} requests in {_WAVES} waves, tiny model, KV memory limit "
+        f"{format_bytes(memory_limit)}"
     )
     try:
         result = asyncio.run(run_demo(requests, max_tokens, memory_limit, seed, console))
