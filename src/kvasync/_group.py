@@ -18,8 +18,10 @@ Example (the scheduler's process, then one per rank)::
 
 from __future__ import annotations
 
+import atexit
 import math
 import re
+import weakref
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypedDict
@@ -79,6 +81,12 @@ def _check_timeout(what: str, seconds: float) -> float:
     return float(seconds)
 
 
+def _close_at_exit(group: weakref.ref[_core.SchedulerGroup]) -> None:
+    alive = group()
+    if alive is not None:
+        alive.close()
+
+
 class TensorParallelGroup:
     """The scheduler's side of a group: its file, and the backend its page pool maps through.
 
@@ -113,6 +121,10 @@ class TensorParallelGroup:
             path, name, num_ranks, local.num_ranges, local.num_pages, local.page_size
         )
         self._backend = _core.GroupBackend(local, self._group, map_timeout, unmap_timeout)
+        # A group still open at exit (its pool's backend never released) is closed then: its
+        # ranks leave at once and its file is removed. Held weakly: the exit hook must not keep
+        # the group open until exit.
+        atexit.register(_close_at_exit, weakref.ref(self._group))
 
     @property
     def name(self) -> str:
