@@ -533,3 +533,27 @@ async def test_tensor_parallel_allocator_alloc_raises_map_error_naming_a_killed_
         with pytest.raises(kvasync.MapError, match=rf"rank 1 \(pid {victim}\) died"):
             await asyncio.wait_for(alloc, 10.0)
     assert ranks[0].ask("status")["mapped"] == []
+
+
+def test_tensor_parallel_corrupt_group_file_is_refused_by_a_rank_and_replaced_by_a_scheduler(
+    name: str,
+) -> None:
+    path = group_path(name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        os.write(fd, b"not a group" * 100_000)
+    finally:
+        os.close(fd)
+    try:
+        with pytest.raises(KVAsyncError, match="is not a kvasync group of this version"):
+            RankMapper(name, 0, local_backend(), timeout=1.0)
+        # No live scheduler: the scheduler replaces it, and a rank joins the new one.
+        with (
+            open_group(name, 1, local_backend()) as group,
+            RankMapper(name, 0, local_backend(), timeout=1.0),
+        ):
+            group.wait_ready(5.0)
+        assert not os.path.exists(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
