@@ -14,7 +14,12 @@ if not torch.cuda.is_available():
 
 # -- allocator fixtures -----------------------------------------------------------------------
 import asyncio
-from collections.abc import Callable
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -93,3 +98,45 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
         if loop.time() > deadline:
             raise AssertionError(f"condition not reached within {timeout} s")
         await asyncio.sleep(0.001)
+
+
+# -- the HTTP server --------------------------------------------------------------------------
+
+SERVER_WAIT_S = 20.0  # the deadline of every wait for an in-process server
+
+
+def wait_until_sync(
+    condition: Callable[[], bool], what: str, timeout: float = SERVER_WAIT_S
+) -> None:
+    """Waits on this thread for ``condition``, failing after ``timeout`` s naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
+        time.sleep(0.005)  # a poll interval under a deadline, not a settle
+
+
+@contextlib.contextmanager
+def serving(config: Any, **options: Any) -> Iterator[str]:
+    """``kvasync serve``'s app (``create_app(config, **options)``) under uvicorn in a thread, on
+    a free port; yields its base URL and stops it (within 15 s) at the end."""
+    import uvicorn
+
+    from kvasync.serve._http import create_app
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(config, **options), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until_sync(
+            lambda: server.started or not thread.is_alive(), "the server to start", timeout=30.0
+        )
+        assert thread.is_alive(), "the server thread died at startup"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        sock.close()
+    assert not thread.is_alive(), "the server did not stop within 15 s"

@@ -7,56 +7,24 @@ import contextlib
 import json
 import logging
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import serving, wait_until_sync
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvasync.serve import EngineConfig
-from kvasync.serve._http import create_app
 
 MODEL = "kvasync-tiny"
-_WAIT_S = 20.0  # the deadline of every wait for the server
-
-
-@contextlib.contextmanager
-def _serving(config: EngineConfig, **options: Any) -> Iterator[str]:
-    """``create_app(config, **options)`` under uvicorn in a thread, on a free port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(config, **options)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        _wait_until(lambda: server.started or not thread.is_alive(), "the server to start")
-        assert thread.is_alive(), "the server thread died at startup"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-    assert not thread.is_alive(), "the server did not stop within 15 s"
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + _WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {_WAIT_S} s for {what}"
-        time.sleep(0.005)  # a poll interval under a deadline, not a settle
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    with _serving(EngineConfig(preset="tiny", device="cpu", request_timeout=20.0)) as url:
+    with serving(EngineConfig(preset="tiny", device="cpu", request_timeout=20.0)) as url:
         yield url
 
 
@@ -286,7 +254,7 @@ def test_chat_answers_the_documented_template(base_url: str) -> None:
 def test_a_request_that_can_never_fit_the_kv_cache_is_refused_at_once() -> None:
     # 4 blocks of 16 tokens hold 64; a 53-byte prompt and 200 tokens can never fit.
     config = EngineConfig(preset="tiny", device="cpu", max_blocks=4, request_timeout=5.0)
-    with _serving(config) as url:
+    with serving(config) as url:
         with pytest.raises(openai.BadRequestError):
             _client(url).completions.create(model=MODEL, prompt="p" * 53, max_tokens=200)
         assert _metrics(url)["kvasync_engine_generation_tokens_total"] == 0  # refused, not run
@@ -306,11 +274,11 @@ def test_a_passed_deadline_is_answered_once_and_not_retried(base_url: str) -> No
 
 def test_a_full_queue_answers_429_with_retry_after() -> None:
     config = EngineConfig(preset="tiny", device="cpu", max_batch=1, request_timeout=20.0)
-    with _serving(config, max_waiting=1) as url:
+    with serving(config, max_waiting=1) as url:
         body = {"model": MODEL, "prompt": "hold", "max_tokens": 400}
         with _posted(url, body), _posted(url, body):
             # one running, one waiting: the queue (bound 1) is full
-            _wait_until(lambda: _health(url)["waiting"] == 1, "one request waiting")
+            wait_until_sync(lambda: _health(url)["waiting"] == 1, "one request waiting")
             with pytest.raises(openai.RateLimitError) as raised:
                 _client(url).completions.create(model=MODEL, prompt="more", max_tokens=2)
             assert raised.value.response.headers["retry-after"] == "1"
@@ -339,7 +307,7 @@ def test_the_server_logs_its_model_device_and_kv_settings_at_start(
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvasync.serve")
     config = EngineConfig(preset="tiny", device="cpu", max_blocks=64, memory_limit=1 << 20)
-    with _serving(config):
+    with serving(config):
         pass
     [line] = [r.getMessage() for r in caplog.records if r.name == "kvasync.serve"]
     for part in (MODEL, "device cpu", "host backend", "64 blocks of 16 tokens", "1048576 bytes"):
@@ -353,7 +321,7 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(base_url: str) -> 
     before = _metrics(base_url)
     body = {"model": MODEL, "prompt": "nobody reads this", "max_tokens": 450}
     with _posted(base_url, body):
-        _wait_until(
+        wait_until_sync(
             lambda: (
                 _metrics(base_url)["kvasync_engine_generation_tokens_total"]
                 > before["kvasync_engine_generation_tokens_total"]
@@ -361,7 +329,7 @@ def test_a_non_streaming_request_whose_client_left_is_aborted(base_url: str) -> 
             "the request to generate",
         )
     # The client is gone: the request ends (aborted: a failure), its blocks go back.
-    _wait_until(
+    wait_until_sync(
         lambda: (
             _metrics(base_url)["kvasync_engine_requests_failed_total"]
             == before["kvasync_engine_requests_failed_total"] + 1

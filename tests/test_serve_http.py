@@ -6,7 +6,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,36 +14,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import serving
 
 from kvasync import ledger
 from kvasync.serve import EngineConfig
-from kvasync.serve._http import create_app
 
 MODEL = "kvasync-tiny"
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = EngineConfig(preset="tiny", device="cpu", request_timeout=20.0)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive(), "the server thread died at startup"
-            assert time.monotonic() < deadline, "the server did not start within 30 s"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-        sock.close()
-    assert not thread.is_alive(), "the server did not stop within 15 s"
+    with serving(EngineConfig(preset="tiny", device="cpu", request_timeout=20.0)) as url:
+        yield url
 
 
 def _client(base_url: str) -> openai.OpenAI:
