@@ -268,6 +268,12 @@ async def test_trim_resize_and_close_reject_bad_timeouts_and_limits() -> None:
         page_bytes = kv.stats().page_bytes
         timeouts = bad_seconds(none_ok=True)
         cases = cases_for("trim(timeout)", timeouts, lambda v: kv.trim(timeout=v), "timeout")  # type: ignore[arg-type]
+        cases += cases_for(
+            "trim(release_handles)",
+            [1, 0, None, "yes"],
+            lambda v: kv.trim(release_handles=v),  # type: ignore[arg-type]
+            "release_handles",
+        )
         limits = [*bad_counts(none_ok=True), 1, page_bytes - 1]
         cases += cases_for(
             "resize(memory_limit)",

@@ -401,13 +401,15 @@ class Allocator:
                 next map skips cuMemCreate (and this trim skips cuMemRelease).
 
         Raises:
-            TypeError: ``timeout`` is not a number (or is a bool).
+            TypeError: ``timeout`` is not a number (or is a bool), or ``release_handles`` is not
+                a bool.
             ValueError: ``timeout`` is negative, NaN or infinite.
             AllocTimeout: the unmaps did not finish in time.
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
         """
         self._check_process()
+        _validate.flag(release_handles, "release_handles")
         due = self._deadline(timeout, None)
         request = self._pool.trim(self._pool_deadline(due), release_handles)
         if request:

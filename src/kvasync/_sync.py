@@ -175,8 +175,7 @@ class SyncAllocator:
         Raises:
             TypeError: ``release_handles`` is not a bool.
         """
-        if type(release_handles) is not bool:
-            raise TypeError(f"release_handles must be a bool, got {release_handles!r}")
+        _validate.flag(release_handles, "release_handles")  # as Allocator.trim checks it
         source = self._source
         source.check_process()
         due = self._due(timeout, None)
