@@ -191,8 +191,9 @@ def _ids_tensor(ids: Ids, values: list[int], device: torch.device) -> torch.Tens
 
 
 @functools.cache
-def _installed_kernels() -> ModuleType | None:
-    """``kvasync.kernels``, or None when Triton is not installed."""
+def installed_kernels() -> ModuleType | None:
+    """``kvasync.kernels``, or None when Triton is not installed (imported once; the serve
+    engine's paged attention asks here too)."""
     try:
         from . import kernels  # type: ignore[attr-defined]
     except ModuleNotFoundError as error:
@@ -208,7 +209,7 @@ def _kernels() -> Any:
     Raises:
         KVAsyncError: Triton is not installed (the ``kvasync[gpu]`` extra).
     """
-    kernels = _installed_kernels()
+    kernels = installed_kernels()
     if kernels is None:
         raise KVAsyncError(
             "the block ops (gather, scatter, zero, copy) on a CUDA device run Triton kernels, "
@@ -219,7 +220,7 @@ def _kernels() -> Any:
 
 def _use_kernels(device: torch.device) -> bool:
     """Triton runs on CUDA compiled, and on CPU tensors only under its interpreter."""
-    kernels = _installed_kernels()
+    kernels = installed_kernels()
     interpreted = kernels is not None and bool(kernels.INTERPRETED)
     return (device.type == "cuda") != interpreted
 

@@ -9,12 +9,12 @@ the ``kvasync[gpu]`` extra: without it, asking for the kernel is a ``KVAsyncErro
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .._block_ops import installed_kernels
 from .._errors import KVAsyncError
 
 __all__ = [
@@ -156,26 +156,22 @@ def _attend(
     return mixed.reshape(num_seqs, n, num_heads, head_dim).to(q.dtype)
 
 
-@functools.cache
 def paged_attention_kernel() -> Callable[..., torch.Tensor]:
     """The Triton kernel's launcher, ``kvasync.kernels.paged_attention``.
 
     Returns:
-        The launcher (imported once).
+        The launcher (the kernels are imported once, by ``_block_ops.installed_kernels``).
 
     Raises:
         KVAsyncError: Triton is not installed (the ``kvasync[gpu]`` extra).
     """
-    try:
-        from .. import kernels  # type: ignore[attr-defined]
-    except ModuleNotFoundError as error:
-        if (error.name or "").partition(".")[0] != "triton":
-            raise  # a broken install of kvasync itself: not ours to hide
+    kernels = installed_kernels()
+    if kernels is None:
         raise KVAsyncError(
             "the serve engine's paged attention on a CUDA device runs a Triton kernel, and Triton "
             'is not installed: pip install "kvasync[gpu]" (or EngineConfig(attention="torch") '
             "for the torch reference, much slower)"
-        ) from None
+        )
     launcher: Callable[..., torch.Tensor] = kernels.paged_attention
     return launcher
 
