@@ -35,10 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _tables import markdown
 
 import kvasync
 from kvasync.serve import Engine, EngineConfig, RequestFailed, RequestRecord, RequestTooLarge
-from kvasync.serve._report import MemorySampler, RunResult, markdown_table, plot_runs, summarize
+from kvasync.serve._report import MemorySampler, RunResult, plot_runs, summarize
 
 MIB = 1 << 20
 
@@ -318,10 +319,26 @@ def main() -> None:
     )
     if not rows:
         return
-    table = markdown_table(rows)
+    table = _table(rows)
     print(f"\n{header}\n\n{table}")
     part = "_colocated" if args.colocated_only else ""
     (out / f"results_{args.preset}{part}.md").write_text(f"{header}\n\n{table}\n")
+
+
+def _table(rows: dict[str, dict[str, float]]) -> str:
+    """One row per variant, one column per figure (rich's Markdown box, bench/_tables)."""
+    columns = list(next(iter(rows.values())))
+    cells = [
+        [name, *(_cell(row.get(column, float("nan"))) for column in columns)]
+        for name, row in rows.items()
+    ]
+    return markdown(["variant", *columns], cells)
+
+
+def _cell(value: float) -> str:
+    if value != value:  # NaN
+        return "-"
+    return f"{value:.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.3g}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Measuring a serving run: KV memory over time, latency percentiles, a table, a plot.
+"""Measuring a serving run: KV memory over time, latency percentiles and other figures, a plot.
 
 Used by ``kvasync demo`` and bench/bench_serving.py; not imported by ``kvasync.serve``.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from .._stats import percentile
 from ._records import RequestRecord
 
-__all__ = ["MemorySampler", "RunResult", "markdown_table", "plot_runs", "summarize"]
+__all__ = ["MemorySampler", "RunResult", "plot_runs", "summarize"]
 
 MIB = 1 << 20
 
@@ -92,22 +92,6 @@ def summarize(run: RunResult, slo_ttft: float | None = None) -> dict[str, float]
         summary["within SLO"] = float(sum(1 for t in ttft if t <= slo_ttft))
     summary.update(run.extra)
     return summary
-
-
-def markdown_table(rows: dict[str, dict[str, float]]) -> str:
-    """A markdown table: one row per variant, one column per figure."""
-    columns = list(next(iter(rows.values())))
-    lines = ["| variant | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-    for name, row in rows.items():
-        cells = [_format(row.get(c, float("nan"))) for c in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _format(value: float) -> str:
-    if value != value:  # NaN
-        return "-"
-    return f"{value:.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.3g}"
 
 
 def plot_runs(runs: Sequence[RunResult], path: Path, title: str) -> Path:
