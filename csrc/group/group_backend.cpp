@@ -367,12 +367,21 @@ GroupBackend::GroupBackend(std::shared_ptr<Backend> local, std::shared_ptr<Sched
   group_detail::deadline_after(unmap_timeout_s);
 }
 
-void GroupBackend::roll_back(int64_t first, int64_t count, bool local_mapped) {
-  // Posted behind the map on every rank: a rank still mapping (slow) unmaps right after, so
-  // nobody waits for it here. Failures leave pages a rank holds; it drops them when it leaves.
+std::string GroupBackend::roll_back(int64_t first, int64_t count, bool local_mapped,
+                                    Clock::time_point deadline) {
+  // Posted behind the map on every rank, then waited for within what is left of the map's
+  // deadline: in the common case every rank has unmapped when the failure is reported. A rank
+  // still busy (slow) unmaps right after its map; nobody waits past the deadline for it.
   if (local_mapped) local_->unmap(first, count);
   std::vector<uint64_t> seqs;
-  group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
+  const SchedulerGroup::Outcome posted =
+      group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
+  const SchedulerGroup::Outcome undone = group_->wait_acks(
+      seqs, deadline, map_timeout_s_, "roll back " + group_detail::describe_pages(first, count),
+      true);
+  if (!posted.ok) return " (rollback not posted: " + posted.error + ")";
+  if (!undone.ok) return " (rollback pending: " + undone.error + ")";
+  return "";
 }
 
 BackendResult GroupBackend::map(int64_t first, int64_t count) {
@@ -391,12 +400,12 @@ BackendResult GroupBackend::map(int64_t first, int64_t count) {
   SchedulerGroup::Outcome acked;
   if (posted.ok && local.ok) acked = group_->wait_acks(seqs, deadline, map_timeout_s_, what, false);
   if (posted.ok && local.ok && acked.ok) return BackendResult::success();
-  roll_back(first, count, local.ok);
+  const std::string rollback = roll_back(first, count, local.ok, deadline);
   const std::string error = !posted.ok ? posted.error
                             : !local.ok ? "the scheduler's own backend failed to " + what + ": " +
                                               local.error
                                         : acked.error;
-  return BackendResult::failure(std::string(kErrorName) + ": " + error);
+  return BackendResult::failure(std::string(kErrorName) + ": " + error + rollback);
 }
 
 BackendResult GroupBackend::unmap(int64_t first, int64_t count) {

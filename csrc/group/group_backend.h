@@ -9,7 +9,8 @@
 // it on the scheduler's local backend meanwhile, then waits for every rank's ack in slices of
 // kLivenessSlice on the header's futex word, checking between slices that each rank it waits for
 // is alive. Ok only when every rank mapped; otherwise it rolls back (local unmap, an unmap job
-// posted to every rank) and returns the first failure, naming the rank:
+// posted to every rank, waited for until the map's deadline) and returns the first failure,
+// naming the rank:
 //   - "rank 1 (pid 42) failed to map pages [0, 4): ENOMEM: ..."  its backend refused;
 //   - "rank 1 (pid 42) died while ... (killed or exited)"      its process is gone;
 //   - "rank 2 (pid 43, alive) did not finish ... within 5 s"  slow or stuck;
@@ -128,7 +129,9 @@ class GroupBackend final : public Backend {
   const std::shared_ptr<SchedulerGroup>& group() const { return group_; }
 
  private:
-  void roll_back(int64_t first, int64_t count, bool local_mapped);
+  // Undoes a failed map everywhere; returns a note for the error when a rank has not yet.
+  std::string roll_back(int64_t first, int64_t count, bool local_mapped,
+                        group_detail::Clock::time_point deadline);
 
   std::shared_ptr<Backend> local_;
   std::shared_ptr<SchedulerGroup> group_;

@@ -24,8 +24,10 @@
 // Invariants:
 //  - An alloc completes only when every rank has mapped: GroupBackend::map succeeds only when the
 //    local map and every rank's job succeeded. On any failure it unmaps locally and posts an
-//    unmap of the same pages to every rank (a rollback), so the pool's "map failed, nothing
-//    mapped" holds on every device. The error names the rank and says what happened to it.
+//    unmap of the same pages to every rank (a rollback), and waits for those within what is
+//    left of the map's deadline: the pool's "map failed, nothing mapped" holds on every device
+//    when the failure is reported (a rank still busy past the deadline is the exception, and the
+//    error says so). The error names the rank and says what happened to it.
 //  - Jobs of a rank run in the order posted (one poster: the pool's mapper thread). A rollback
 //    posted behind a map that is still running (a slow rank past the deadline) runs after it, so
 //    the rank ends unmapped without anyone waiting for it.
