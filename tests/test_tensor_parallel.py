@@ -557,3 +557,40 @@ def test_tensor_parallel_corrupt_group_file_is_refused_by_a_rank_and_replaced_by
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def mapped_permissions(base: int, size: int) -> set[str]:
+    """The permissions of this process's mappings over [base, base + size) (/proc/self/maps)."""
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start < base + size and end > base:
+                found.add(perms)
+    return found
+
+
+def test_tensor_parallel_scheduler_without_local_memory_maps_only_the_ranks(
+    name: str, processes: list[Process]
+) -> None:
+    local = local_backend()
+    group = open_group(name, 2, local, map_local=False)
+    processes += start_ranks(name, 2)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+
+    status, blocks, _message = alloc_and_wait(pool, 2 * BLOCKS_PER_PAGE, 10.0)
+
+    assert status == MAP_OK
+    for rank in processes:
+        assert rank.ask("touch")["pages"] == pages_of(blocks)
+    for index in range(NUM_RANGES):
+        # Still the PROT_NONE reservation: no page of it was mapped in the scheduler's process.
+        assert mapped_permissions(local.range_base(index), NUM_PAGES * PAGE_SIZE) == {"---p"}
+    close_all(pool, group)
+
+
+def test_tensor_parallel_zero_on_alloc_without_local_memory_is_refused() -> None:
+    with pytest.raises(ValueError, match="zero_on_alloc needs KV memory in this process"):
+        kvasync.Config(zero_on_alloc=True, tensor_parallel=TensorParallel("x", 2, map_local=False))

@@ -71,8 +71,10 @@ void bind_group(py::module_& m) {
       });
 
   py::class_<GroupBackend, Backend, std::shared_ptr<GroupBackend>>(m, "GroupBackend")
-      .def(py::init<std::shared_ptr<Backend>, std::shared_ptr<SchedulerGroup>, double, double>(),
-           py::arg("local"), py::arg("group"), py::arg("map_timeout"), py::arg("unmap_timeout"))
+      .def(py::init<std::shared_ptr<Backend>, std::shared_ptr<SchedulerGroup>, double, double,
+                    bool>(),
+           py::arg("local"), py::arg("group"), py::arg("map_timeout"), py::arg("unmap_timeout"),
+           py::arg("map_local") = true)
       .def_property_readonly("group", &GroupBackend::group);
 
   py::class_<RankMapperHandle>(m, "RankMapper")

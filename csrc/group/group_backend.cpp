@@ -357,11 +357,12 @@ std::vector<SchedulerGroup::RankView> SchedulerGroup::ranks() const {
 }
 
 GroupBackend::GroupBackend(std::shared_ptr<Backend> local, std::shared_ptr<SchedulerGroup> group,
-                           double map_timeout_s, double unmap_timeout_s)
+                           double map_timeout_s, double unmap_timeout_s, bool map_local)
     : local_(std::move(local)),
       group_(std::move(group)),
       map_timeout_s_(map_timeout_s),
-      unmap_timeout_s_(unmap_timeout_s) {
+      unmap_timeout_s_(unmap_timeout_s),
+      map_local_(map_local) {
   if (!local_ || !group_) throw std::invalid_argument("GroupBackend needs a backend and a group");
   group_detail::deadline_after(map_timeout_s);  // validates both timeouts
   group_detail::deadline_after(unmap_timeout_s);
@@ -372,7 +373,7 @@ std::string GroupBackend::roll_back(int64_t first, int64_t count, bool local_map
   // Posted behind the map on every rank, then waited for within what is left of the map's
   // deadline: in the common case every rank has unmapped when the failure is reported. A rank
   // still busy (slow) unmaps right after its map; nobody waits past the deadline for it.
-  if (local_mapped) local_->unmap(first, count);
+  if (local_mapped && map_local_) local_->unmap(first, count);
   std::vector<uint64_t> seqs;
   const SchedulerGroup::Outcome posted =
       group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
@@ -396,7 +397,8 @@ BackendResult GroupBackend::map(int64_t first, int64_t count) {
   std::vector<uint64_t> seqs;
   const SchedulerGroup::Outcome posted = group_->post_all(GroupJobKind::kMap, first, count, seqs);
   // The ranks map meanwhile, each on its own device.
-  const BackendResult local = local_->map(first, count);
+  const BackendResult local =
+      map_local_ ? local_->map(first, count) : BackendResult::success();
   SchedulerGroup::Outcome acked;
   if (posted.ok && local.ok) acked = group_->wait_acks(seqs, deadline, map_timeout_s_, what, false);
   if (posted.ok && local.ok && acked.ok) return BackendResult::success();
@@ -413,7 +415,8 @@ BackendResult GroupBackend::unmap(int64_t first, int64_t count) {
   const std::string what = "unmap " + group_detail::describe_pages(first, count);
   std::vector<uint64_t> seqs;
   const SchedulerGroup::Outcome posted = group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
-  const BackendResult local = local_->unmap(first, count);
+  const BackendResult local =
+      map_local_ ? local_->unmap(first, count) : BackendResult::success();
   const SchedulerGroup::Outcome acked =
       group_->wait_acks(seqs, deadline, unmap_timeout_s_, what, true);
   if (!local.ok) return local;

@@ -104,9 +104,12 @@ class SchedulerGroup {
 
 class GroupBackend final : public Backend {
  public:
-  // `local`: the scheduler process's own backend, of the group's geometry.
+  // `local`: the scheduler process's own backend, of the group's geometry. `map_local` false:
+  // the scheduler's process holds no KV memory (vLLM's EngineCore beside its rank processes):
+  // `local` only gives the ranges their addresses and is never mapped, so nothing in this
+  // process may touch them.
   GroupBackend(std::shared_ptr<Backend> local, std::shared_ptr<SchedulerGroup> group,
-               double map_timeout_s, double unmap_timeout_s);
+               double map_timeout_s, double unmap_timeout_s, bool map_local = true);
 
   const char* name() const override { return local_->name(); }
   int64_t page_size() const override { return local_->page_size(); }
@@ -136,6 +139,7 @@ class GroupBackend final : public Backend {
   std::shared_ptr<Backend> local_;
   std::shared_ptr<SchedulerGroup> group_;
   double map_timeout_s_, unmap_timeout_s_;
+  bool map_local_;
 };
 
 }  // namespace kvasync

@@ -111,6 +111,11 @@ class Config:
         _validate.instance(
             self.tensor_parallel, "Config.tensor_parallel", _group.TensorParallel, optional=True
         )
+        if self.zero_on_alloc and self.tensor_parallel and not self.tensor_parallel.map_local:
+            raise ValueError(
+                "Config.zero_on_alloc needs KV memory in this process; with "
+                "TensorParallel(map_local=False) it holds none: zero the blocks on the ranks"
+            )
         # The ordinal goes to the driver as a C int.
         store(
             "device", _validate.integer(self.device, "Config.device", minimum=0, maximum=2**31 - 1)

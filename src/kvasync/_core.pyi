@@ -147,7 +147,12 @@ class SchedulerGroup:
 
 class GroupBackend(Backend):
     def __init__(
-        self, local: Backend, group: SchedulerGroup, map_timeout: float, unmap_timeout: float
+        self,
+        local: Backend,
+        group: SchedulerGroup,
+        map_timeout: float,
+        unmap_timeout: float,
+        map_local: bool = True,
     ) -> None: ...
     @property
     def group(self) -> SchedulerGroup: ...

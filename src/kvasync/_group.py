@@ -97,6 +97,9 @@ class TensorParallelGroup:
             pages, page size), which every rank's backend must have too.
         map_timeout: seconds the pool's mapper thread waits for every rank to map a job.
         unmap_timeout: the same for an unmap.
+        map_local: whether ``local`` maps the pages too (the scheduler's process is a rank's
+            process as well). False: it holds no KV memory; ``local`` only gives the ranges
+            their addresses, never mapped, so nothing in this process may touch them.
 
     Raises:
         ValueError: a bad name, rank count or timeout.
@@ -111,8 +114,11 @@ class TensorParallelGroup:
         *,
         map_timeout: float = 5.0,
         unmap_timeout: float = 5.0,
+        map_local: bool = True,
     ) -> None:
         path = group_path(name)
+        if not isinstance(map_local, bool):
+            raise TypeError(f"map_local must be a bool, got {type(map_local).__name__}")
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int):
             raise TypeError(f"num_ranks must be an int, got {type(num_ranks).__name__}")
         map_timeout = _check_timeout("map_timeout", map_timeout)
@@ -120,7 +126,9 @@ class TensorParallelGroup:
         self._group = _core.SchedulerGroup(
             path, name, num_ranks, local.num_ranges, local.num_pages, local.page_size
         )
-        self._backend = _core.GroupBackend(local, self._group, map_timeout, unmap_timeout)
+        self._backend = _core.GroupBackend(
+            local, self._group, map_timeout, unmap_timeout, map_local
+        )
         # A group still open at exit (its pool's backend never released) is closed then: its
         # ranks leave at once and its file is removed. Held weakly: the exit hook must not keep
         # the group open until exit.
@@ -197,6 +205,7 @@ def open_group(
     ready_timeout: float | None = None,
     map_timeout: float = 5.0,
     unmap_timeout: float = 5.0,
+    map_local: bool = True,
 ) -> TensorParallelGroup:
     """Opens a group (``TensorParallelGroup``), waiting for its ranks when ``ready_timeout``.
 
@@ -207,7 +216,12 @@ def open_group(
         KVAsyncError: the name is in use by a live scheduler, or a rank did not join in time.
     """
     group = TensorParallelGroup(
-        name, num_ranks, local, map_timeout=map_timeout, unmap_timeout=unmap_timeout
+        name,
+        num_ranks,
+        local,
+        map_timeout=map_timeout,
+        unmap_timeout=unmap_timeout,
+        map_local=map_local,
     )
     if ready_timeout is not None:
         try:
@@ -234,6 +248,9 @@ class TensorParallel:
             caller; None: it does not wait (the first map waits, within ``map_timeout``).
         map_timeout: seconds the mapper thread waits for every rank to map a job.
         unmap_timeout: the same for an unmap.
+        map_local: False when the allocator's process holds no KV memory (vLLM's EngineCore
+            beside its rank processes): its ranges are reserved, never mapped, and it must not
+            touch them (``Config.zero_on_alloc`` is refused; block copies run on the ranks).
 
     Raises:
         TypeError, ValueError: a bad name, rank count or timeout.
@@ -244,9 +261,12 @@ class TensorParallel:
     ready_timeout: float | None = None
     map_timeout: float = 5.0
     unmap_timeout: float = 5.0
+    map_local: bool = True
 
     def __post_init__(self) -> None:
         group_path(self.group)
+        if not isinstance(self.map_local, bool):
+            raise TypeError(f"map_local must be a bool, got {type(self.map_local).__name__}")
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int):
             raise TypeError(f"num_ranks must be an int, got {type(self.num_ranks).__name__}")
         if not 1 <= self.num_ranks <= MAX_RANKS:
@@ -270,6 +290,7 @@ class TensorParallel:
             ready_timeout=self.ready_timeout,
             map_timeout=self.map_timeout,
             unmap_timeout=self.unmap_timeout,
+            map_local=self.map_local,
         )
         return group.backend
 
