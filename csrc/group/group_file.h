@@ -51,9 +51,9 @@
 //  - Only the scheduler writes a ring slot's job; only rank r writes rank r's results and
 //    counters. Every word shared is a lock-free std::atomic (address-free across processes).
 //
-// Limitations: one pid namespace (a pid is checked in /proc); the scheduler's process holds a
-// local backend of the group's geometry (its own rank, or a host reservation of address space);
-// rank-side device fences (unmap only after that rank's GPU work) are the cuda integration's
+// Limitations: one pid namespace (a pid is checked in /proc); the scheduler's process needs a
+// local backend of the group's geometry for the ranges' addresses (mapped too, or with
+// map_local false only reserved); rank-side device fences (unmap only after that rank's GPU work) are the cuda integration's
 // business and not done here.
 #pragma once
 
