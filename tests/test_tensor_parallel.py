@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import select
 import signal
 import subprocess
@@ -594,3 +595,63 @@ def test_tensor_parallel_scheduler_without_local_memory_maps_only_the_ranks(
 def test_tensor_parallel_zero_on_alloc_without_local_memory_is_refused() -> None:
     with pytest.raises(ValueError, match="zero_on_alloc needs KV memory in this process"):
         kvasync.Config(zero_on_alloc=True, tensor_parallel=TensorParallel("x", 2, map_local=False))
+
+
+def wait_idle(pool: _core.PagePool, timeout: float = 10.0) -> dict[str, Any]:
+    """Waits until the pool's mapper has no job queued or running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = pool.stats()
+        busy = stats["queued_jobs"] + stats["mapping_pages"] + stats["unmapping_pages"]
+        if busy == 0 and stats["mapper_op"] is None:
+            return stats
+        assert time.monotonic() < deadline, f"mapper still busy after {timeout} s: {stats}"
+        select.select([pool.completion_fd], [], [], 0.005)  # woken by completions, else polled
+
+
+def test_tensor_parallel_ranks_hold_exactly_the_pools_pages_under_random_allocs_and_failures(
+    name: str, processes: list[Process]
+) -> None:
+    rng = random.Random(17)
+    group = open_group(name, 2, local_backend())
+    processes += start_ranks(name, 2)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = _core.PagePool(
+        group.backend, NUM_PAGES * BLOCKS_PER_PAGE, BLOCKS_PER_PAGE, NUM_PAGES, 0, 2, 10.0
+    )
+    held: list[list[int]] = []
+    failures = 0
+    for step in range(200):
+        op = rng.random()
+        if op < 0.1:
+            processes[rng.randrange(2)].ask("fail 1")  # the rank's next map fails
+        elif op < 0.55 and pool.available_blocks() >= 6:  # never waits for a free
+            status, blocks, message = alloc_and_wait(pool, rng.randint(1, 6), 10.0)
+            if status == MAP_OK:
+                held.append(blocks)
+            else:
+                assert status == MAP_ERROR and "ENOMEM: injected" in message, message
+                failures += 1
+        elif op < 0.9 and held:
+            pool.free(held.pop(rng.randrange(len(held))))
+        else:
+            barrier = pool.trim(time.monotonic() + 10.0)
+            if barrier:
+                assert wait_completion(pool, barrier, 10.0)[0] == MAP_OK
+        if step % 20 == 19:
+            stats = wait_idle(pool)
+            in_use = sorted({b // BLOCKS_PER_PAGE for blocks in held for b in blocks})
+            for rank in processes:
+                mapped = rank.ask("status")["mapped"]
+                # Exactly as many pages as the pool has mapped, every page in use among them.
+                assert len(mapped) == stats["mapped_pages"], (mapped, stats)
+                assert set(in_use) <= set(mapped)
+                assert rank.ask("touch")["pages"] == mapped
+    assert failures > 0  # the failure path ran
+    for rank in processes:
+        rank.ask("release")
+    for blocks in held:
+        pool.free(blocks)
+    close_all(pool, group)
+    for rank in processes:
+        assert rank.ask("wait_left 10")["mapped"] == []
