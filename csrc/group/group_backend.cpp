@@ -287,10 +287,10 @@ SchedulerGroup::Outcome SchedulerGroup::wait_acks(const std::vector<uint64_t>& p
                                                   const std::string& what, bool dead_is_done) {
   std::vector<uint64_t> seqs = posted;
   auto next_liveness = Clock::now() + kLivenessSlice;  // fast acks never read /proc
+  Outcome failed;  // the first failure seen (kept across slices: its rank is no longer waited on)
   while (true) {
     const uint32_t seen = file_->header.acks.load(std::memory_order_acquire);
     std::vector<int> pending;
-    Outcome failed;
     for (int r = 0; r < num_ranks_; ++r) {
       const uint64_t seq = seqs[static_cast<size_t>(r)];
       if (seq == 0) continue;
