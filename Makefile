@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install lint typecheck bench soak clean sanitize
+.PHONY: demo test install lint typecheck bench soak clean sanitize vllm-test
 
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,21 @@ soak: install
 
 bench: install
 	$(PY) bench/bench_alloc.py
+
+# Not in CI (vLLM 0.26.0 and its source tree take GBs): the plugin's tests with vLLM importable,
+# then vLLM's own scheduler tests (tests/v1/core) with kvasync's BlockPool in place
+# (-p kvasync.integrations.vllm.pytest_vllm), then the same tests on stock vLLM, to compare.
+# VLLM_PY: a Python where vLLM 0.26.0 and this kvasync import (README, "Use with vLLM");
+# VLLM_SRC: vLLM 0.26.0's source tree (its sdist, or a clone at tag v0.26.0).
+VLLM_PY ?= python3
+VLLM_SRC ?= ../vllm-0.26.0
+VLLM_TESTS ?= tests/v1/core/test_prefix_caching.py tests/v1/core/test_kv_cache_utils.py \
+	tests/v1/core/test_single_type_kv_cache_manager.py tests/v1/core/test_scheduler.py
+vllm-test:
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
+	cd $(VLLM_SRC) && $(VLLM_PY) -m pytest -q -p no:cacheprovider \
+		-p kvasync.integrations.vllm.pytest_vllm $(VLLM_TESTS) | tail -40
+	cd $(VLLM_SRC) && $(VLLM_PY) -m pytest -q -p no:cacheprovider $(VLLM_TESTS) | tail -40
 
 clean:
 	rm -rf build $(VENV)

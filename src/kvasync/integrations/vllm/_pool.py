@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from typing import Any
 
 from ..._errors import WouldBlock
@@ -83,6 +84,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 block.prev_free_block = block.next_free_block = None
             self.free_block_queue = queue_type([])
             self._engine = engine
+            if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
+                weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
             self._drain = engine.allocator.allocator.drain_from
             self._fence = engine.fence
