@@ -9,11 +9,12 @@ csrc/group/group_file.h).
 
 Example (the scheduler's process, then one per rank)::
 
-    group = open_group("engine-a", num_ranks=2, local=_core.HostBackend(2, 64, 1 << 20),
-                       ready_timeout=30.0)
-    pool = _core.PagePool(group.backend, ...)
+    config = Config(tensor_parallel=TensorParallel("engine-a", num_ranks=2))
+    async with open_allocator(layout, config) as kv: ...
 
-    mapper = RankMapper("engine-a", rank, _core.HostBackend(2, 64, 1 << 20), timeout=30.0)
+    mapper = RankMapper("engine-a", rank, backend, timeout=30.0)  # the same geometry
+
+``open_group`` is the same without an allocator (a ``_core.PagePool`` on ``group.backend``).
 """
 
 from __future__ import annotations
