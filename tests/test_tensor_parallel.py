@@ -32,6 +32,7 @@ from kvasync._group import (
     RankMapper,
     TensorParallel,
     TensorParallelGroup,
+    group_geometry,
     group_path,
     open_group,
 )
@@ -655,3 +656,15 @@ def test_tensor_parallel_ranks_hold_exactly_the_pools_pages_under_random_allocs_
     close_all(pool, group)
     for rank in processes:
         assert rank.ask("wait_left 10")["mapped"] == []
+
+
+def test_tensor_parallel_group_geometry_is_the_schedulers(name: str) -> None:
+    with open_group(name, 3, local_backend()):
+        assert group_geometry(name, 1.0) == {
+            "num_ranks": 3,
+            "num_ranges": NUM_RANGES,
+            "num_pages": NUM_PAGES,
+            "page_size": PAGE_SIZE,
+        }
+    with pytest.raises(KVAsyncError, match="no group file"):
+        group_geometry(name, 0.0)

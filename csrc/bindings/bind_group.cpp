@@ -77,6 +77,22 @@ void bind_group(py::module_& m) {
            py::arg("map_local") = true)
       .def_property_readonly("group", &GroupBackend::group);
 
+  m.def("read_group_geometry",
+        [](const std::string& path, const std::string& name, double timeout) {
+          GroupGeometry g;
+          {
+            py::gil_scoped_release no_gil;
+            g = read_group_geometry(path, name, timeout);
+          }
+          py::dict d;
+          d["num_ranks"] = g.num_ranks;
+          d["num_ranges"] = g.num_ranges;
+          d["num_pages"] = g.num_pages;
+          d["page_size"] = g.page_size;
+          return d;
+        },
+        py::arg("path"), py::arg("name"), py::arg("timeout"));
+
   py::class_<RankMapperHandle>(m, "RankMapper")
       .def(py::init([](const std::string& path, const std::string& name, int rank,
                        std::shared_ptr<Backend> backend, double timeout) {

@@ -53,8 +53,8 @@
 //
 // Limitations: one pid namespace (a pid is checked in /proc); the scheduler's process needs a
 // local backend of the group's geometry for the ranges' addresses (mapped too, or with
-// map_local false only reserved); rank-side device fences (unmap only after that rank's GPU work) are the cuda integration's
-// business and not done here.
+// map_local false only reserved); rank-side device fences (unmap only after that rank's GPU
+// work) are the cuda integration's business and not done here.
 #pragma once
 
 #include <atomic>

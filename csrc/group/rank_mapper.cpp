@@ -72,7 +72,34 @@ GroupFile* open_file(const std::string& path, std::string& why) {
   return file;
 }
 
+// Waits (polling the path, bounded) for an open group's file and maps it.
+GroupFile* wait_for_file(const std::string& path, const std::string& name, const std::string& who,
+                         double timeout_s) {
+  const auto deadline = group_detail::deadline_after(timeout_s);
+  std::string why;
+  GroupFile* file = nullptr;
+  while ((file = open_file(path, why)) == nullptr) {
+    if (Clock::now() >= deadline) {
+      throw GroupError(who + " cannot join tensor-parallel group '" + name + "' within " +
+                       std::to_string(timeout_s) + " s: " + why);
+    }
+    // A bounded poll: the file appears once, when the scheduler opens the group.
+    std::this_thread::sleep_for(std::min<Clock::duration>(kJoinPoll, deadline - Clock::now()));
+  }
+  return file;
+}
+
 }  // namespace
+
+GroupGeometry read_group_geometry(const std::string& path, const std::string& name,
+                                  double timeout_s) {
+  GroupFile* file = wait_for_file(path, name, "a rank", timeout_s);
+  const GroupHeader& h = file->header;
+  const GroupGeometry geometry{static_cast<int>(h.num_ranks), h.num_ranges, h.num_pages,
+                               h.page_size};
+  group_detail::unmap_file(file);
+  return geometry;
+}
 
 RankMapper::RankMapper(std::string name, int rank, std::shared_ptr<Backend> backend,
                        GroupFile* file)
@@ -90,17 +117,7 @@ std::shared_ptr<RankMapper> RankMapper::join(const std::string& path, const std:
                                              int rank, std::shared_ptr<Backend> backend,
                                              double timeout_s) {
   if (!backend) throw std::invalid_argument("RankMapper needs a backend");
-  const auto deadline = group_detail::deadline_after(timeout_s);
-  GroupFile* file = nullptr;
-  std::string why;
-  while ((file = open_file(path, why)) == nullptr) {
-    if (Clock::now() >= deadline) {
-      throw GroupError("rank " + std::to_string(rank) + " cannot join tensor-parallel group '" +
-                       name + "' within " + std::to_string(timeout_s) + " s: " + why);
-    }
-    // A bounded poll: the file appears once, when the scheduler opens the group.
-    std::this_thread::sleep_for(std::min<Clock::duration>(kJoinPoll, deadline - Clock::now()));
-  }
+  GroupFile* file = wait_for_file(path, name, "rank " + std::to_string(rank), timeout_s);
   GroupHeader& h = file->header;
   if (rank < 0 || rank >= static_cast<int>(h.num_ranks)) {
     const uint32_t num_ranks = h.num_ranks;

@@ -30,6 +30,18 @@
 
 namespace kvasync {
 
+// What a rank needs to build its backend: the group's ranges, pages and page size.
+struct GroupGeometry {
+  int num_ranks;
+  int num_ranges;
+  int64_t num_pages;
+  int64_t page_size;
+};
+// Waits up to `timeout_s` for an open group at `path` and reads its geometry. Throws GroupError
+// as RankMapper::join does.
+GroupGeometry read_group_geometry(const std::string& path, const std::string& name,
+                                  double timeout_s);
+
 class RankMapper : public std::enable_shared_from_this<RankMapper> {
  public:
   // Joins rank `rank` of the group whose file is at `path`, waiting up to `timeout_s` for the

@@ -157,6 +157,8 @@ class GroupBackend(Backend):
     @property
     def group(self) -> SchedulerGroup: ...
 
+def read_group_geometry(path: str, name: str, timeout: float) -> dict[str, int]: ...
+
 class RankMapper:
     def __init__(
         self, path: str, name: str, rank: int, backend: Backend, timeout: float

@@ -30,10 +30,12 @@ from typing import TypedDict
 from . import _core
 
 __all__ = [
+    "GroupGeometry",
     "RankMapper",
     "RankStatus",
     "TensorParallel",
     "TensorParallelGroup",
+    "group_geometry",
     "group_path",
     "open_group",
 ]
@@ -294,6 +296,33 @@ class TensorParallel:
             map_local=self.map_local,
         )
         return group.backend
+
+
+class GroupGeometry(TypedDict):
+    """What a rank's backend must have: the scheduler's ranges, pages and page size."""
+
+    num_ranks: int
+    num_ranges: int
+    num_pages: int
+    page_size: int
+
+
+def group_geometry(name: str, timeout: float) -> GroupGeometry:
+    """The geometry of group ``name``, waiting up to ``timeout`` seconds for it to be opened.
+
+    A rank builds its backend from it (``HostBackend(num_ranges, num_pages, page_size)``, or the
+    cuda one with the same figures), so that it is the scheduler's by construction.
+
+    Raises:
+        KVAsyncError: no open group of that name within ``timeout``, or a file that is not one.
+    """
+    found = _core.read_group_geometry(group_path(name), name, _check_timeout("timeout", timeout))
+    return GroupGeometry(
+        num_ranks=found["num_ranks"],
+        num_ranges=found["num_ranges"],
+        num_pages=found["num_pages"],
+        page_size=found["page_size"],
+    )
 
 
 class RankMapper:
