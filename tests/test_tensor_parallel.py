@@ -668,3 +668,36 @@ def test_tensor_parallel_group_geometry_is_the_schedulers(name: str) -> None:
         }
     with pytest.raises(KVAsyncError, match="no group file"):
         group_geometry(name, 0.0)
+
+
+def test_tensor_parallel_forked_child_closing_the_group_and_rank_touches_nothing(
+    name: str,
+) -> None:
+    group = open_group(name, 1, local_backend())
+    rank_backend = local_backend()
+    mapper = RankMapper(name, 0, rank_backend, timeout=5.0)  # this process is rank 0 as well
+    group.wait_ready(5.0)
+    pool = open_pool(group)
+    status, blocks, _message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_OK
+
+    child = os.fork()
+    if child == 0:  # the child: close everything it inherited, as its exit would
+        code = 0
+        try:
+            group.close()
+            code = 0 if mapper.close(1.0) is False else 1
+        finally:
+            os._exit(code)
+    _, wait_status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0
+
+    assert os.path.exists(group_path(name))
+    assert [r["state"] for r in group.ranks()] == ["joined"]
+    assert not mapper.left and mapper.mapped_page_ids() == pages_of(blocks)
+    status, more, _message = alloc_and_wait(pool, 2 * BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_OK  # the parent's group still maps on its rank
+    assert mapper.mapped_page_ids() == pages_of(blocks + more)
+    close_all(pool, group)
+    assert mapper.wait_left(5.0) and mapper.mapped_pages == 0
+    mapper.close()

@@ -88,7 +88,11 @@ bool held_by_live_scheduler(const std::string& path, const std::string& name) {
 }  // namespace
 
 SchedulerGroup::SchedulerGroup(std::string path, std::string name, int num_ranks, GroupFile* file)
-    : path_(std::move(path)), name_(std::move(name)), num_ranks_(num_ranks), file_(file) {}
+    : path_(std::move(path)),
+      name_(std::move(name)),
+      num_ranks_(num_ranks),
+      file_(file),
+      owner_pid_(getpid()) {}
 
 std::shared_ptr<SchedulerGroup> SchedulerGroup::create(const std::string& path,
                                                        const std::string& name, int num_ranks,
@@ -163,6 +167,8 @@ void SchedulerGroup::close() {
   std::lock_guard<std::mutex> lock(post_mutex_);
   if (closed_) return;
   closed_ = true;
+  // A forked child closes only its copy: the group, its file and its ranks are the parent's.
+  if (getpid() != owner_pid_) return;
   file_->header.open.store(0, std::memory_order_release);
   for (int r = 0; r < num_ranks_; ++r) {
     file_->ranks[r].posted.fetch_add(1, std::memory_order_release);
@@ -249,6 +255,10 @@ SchedulerGroup::Outcome SchedulerGroup::post_all(GroupJobKind kind, int64_t firs
   std::lock_guard<std::mutex> lock(post_mutex_);
   seqs.assign(static_cast<size_t>(num_ranks_), 0);
   Outcome outcome;
+  if (getpid() != owner_pid_) {  // a forked child posts nothing into the parent's rings
+    return {false, "group '" + name_ + "' belongs to pid " + std::to_string(owner_pid_) +
+                       ", not to this forked child"};
+  }
   // Closed: the ranks drop every page when they see it, so an unmap has nothing to post.
   if (closed_) {
     if (kind == GroupJobKind::kUnmap) return {};

@@ -94,6 +94,7 @@ class SchedulerGroup {
   std::string path_, name_;
   int num_ranks_;
   GroupFile* file_;
+  int32_t owner_pid_;  // the process that created the group (Note [Tensor parallel group]: fork)
   bool closed_ = false;
   uint64_t device_ = 0, inode_ = 0;  // the file we created, to tell it from a newer one at path_
   std::mutex post_mutex_;

@@ -48,6 +48,9 @@
 //    fails naming the ranks that did not; SchedulerGroup::wait_ready does the same at open.
 //  - The scheduler exiting (or closing the group): each rank notices within kLivenessSlice (its
 //    futex slice), unmaps every page it holds, marks itself left, and its thread ends.
+//  - fork(): a group and a rank mapper belong to the process that opened them. A forked child
+//    inherits the objects (never the threads); there, closing touches nothing shared (the file,
+//    the rings, the rank's state and pages stay the parent's) and nothing is posted.
 //  - Only the scheduler writes a ring slot's job; only rank r writes rank r's results and
 //    counters. Every word shared is a lock-free std::atomic (address-free across processes).
 //

@@ -105,6 +105,7 @@ RankMapper::RankMapper(std::string name, int rank, std::shared_ptr<Backend> back
                        GroupFile* file)
     : name_(std::move(name)),
       rank_(rank),
+      owner_pid_(getpid()),
       backend_(std::move(backend)),
       file_(file),
       scheduler_pid_(file->header.scheduler_pid.load()),
@@ -297,6 +298,8 @@ void RankMapper::leave(const std::string& reason) {
 
 bool RankMapper::close(double timeout_s) {
   const auto deadline = group_detail::deadline_after(timeout_s);
+  // A forked child has no mapper thread and its pages are the parent's: it touches nothing.
+  if (getpid() != owner_pid_) return false;
   if (!joined_thread_ && thread_.joinable()) {
     stopping_.store(true);
     record().posted.fetch_add(1, std::memory_order_release);

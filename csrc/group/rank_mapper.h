@@ -81,6 +81,7 @@ class RankMapper : public std::enable_shared_from_this<RankMapper> {
 
   std::string name_;
   int rank_;
+  int32_t owner_pid_;  // the process that joined (Note [Tensor parallel group]: fork)
   std::shared_ptr<Backend> backend_;
   GroupFile* file_;
   int32_t scheduler_pid_;
