@@ -701,3 +701,14 @@ def test_tensor_parallel_forked_child_closing_the_group_and_rank_touches_nothing
     close_all(pool, group)
     assert mapper.wait_left(5.0) and mapper.mapped_pages == 0
     mapper.close()
+
+
+async def test_tensor_parallel_allocator_open_fails_naming_ranks_that_never_join(name: str) -> None:
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    config = kvasync.Config(
+        backend="host", tensor_parallel=TensorParallel(name, 2, ready_timeout=0.2)
+    )
+    with pytest.raises(KVAsyncError, match=r"ranks 0, 1 never joined group .* within 0\.2 s"):
+        async with kvasync.open_allocator(layout, config):
+            pass
+    assert not os.path.exists(group_path(name))
