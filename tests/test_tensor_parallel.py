@@ -49,6 +49,11 @@ MAP_ERROR = 1
 EVENT_TIMEOUT = 30.0  # a process's start (imports) on a loaded 2-core machine
 
 
+# Every worker started by the running test (stopped at its end by the `processes` fixture, also
+# those started before a failing read).
+_STARTED: list[Process] = []
+
+
 class Process:
     """A worker process spoken to by JSON lines, every read bounded by a deadline."""
 
@@ -61,6 +66,7 @@ class Process:
             cwd=HERE.parent,
         )
         self._buffer = ""
+        _STARTED.append(self)
 
     @property
     def pid(self) -> int:
@@ -129,11 +135,10 @@ def start_ranks(name: str, count: int, **extra: list[str]) -> list[Process]:
 
 @pytest.fixture
 def processes() -> Iterator[list[Process]]:
-    """Every worker a test starts, stopped (or killed) at its end."""
-    started: list[Process] = []
-    yield started
-    for process in started:
-        process.stop()
+    """The workers a test names; every worker it started is stopped (or killed) at its end."""
+    yield []
+    while _STARTED:
+        _STARTED.pop().stop()
 
 
 @pytest.fixture
