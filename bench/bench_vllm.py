@@ -16,9 +16,13 @@ The device's used memory (``torch.cuda.mem_get_info``) is sampled every 50 ms in
 kvasync allocator's mapped bytes in the kvasync run. Output token ids of both engines are
 compared request by request.
 
+``--colocate`` instead starts a stock engine at ``gpu_memory_utilization=0.85`` that keeps
+serving, and then, beside it, a second engine: stock at 0.3, then kvasync with ``--limit``.
+
 Usage (on the GPU machine, vLLM importable)::
 
     python3 bench/bench_vllm.py --out OUTDIR [--limit 38GiB]
+    python3 bench/bench_vllm.py --out OUTDIR --colocate --limit 8GiB
 """
 
 from __future__ import annotations
@@ -92,8 +96,15 @@ class Sampler(threading.Thread):
             self.samples.append((time.monotonic() - self.t0, (total - free) / 2**30, mapped))
 
 
-def run_engine(engine: str, out: pathlib.Path) -> None:
-    """One engine's run (a child process); writes ``out``."""
+def run_engine(
+    engine: str,
+    out: pathlib.Path,
+    utilization: float = 0.3,
+    hold: float = 0.0,
+    ready: pathlib.Path | None = None,
+) -> None:
+    """One engine's run (a child process); writes ``out``. With ``hold``, it signals ``ready``
+    once up and serves bursts for ``hold`` seconds instead of the phases (a busy neighbour)."""
     model_dir = pathlib.Path.home() / "llama-1b-config"
     model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
@@ -106,13 +117,23 @@ def run_engine(engine: str, out: pathlib.Path) -> None:
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=utilization,
         max_model_len=2048,
         dtype="bfloat16",
         seed=0,
         attention_config={"backend": "TRITON_ATTN"},
     )
     start_s = time.monotonic() - started
+    if hold:
+        out.write_text(json.dumps({"engine": engine, "start_s": start_s}))
+        if ready is not None:
+            ready.write_text("up")
+        params = SamplingParams(max_tokens=128, temperature=0, detokenize=False, ignore_eos=True)
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(256, 512, 99)]
+        due = time.monotonic() + hold
+        while time.monotonic() < due:
+            llm.generate(batch, params, use_tqdm=False)
+        return
     mapped = None
     kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     if engine == "kvasync":
@@ -241,17 +262,77 @@ def report(runs: list[dict[str, Any]], out: pathlib.Path) -> None:
     print(f"plot: {out / 'vllm_memory.png'}")
 
 
+def colocate(out: pathlib.Path, limit: str) -> None:
+    """A second engine started while a stock engine (``gpu_memory_utilization=0.85``) serves:
+    stock vLLM at 0.3, then kvasync with ``limit``. Prints whether each started, and how fast."""
+    base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+    ready = out / "neighbour.ready"
+    ready.unlink(missing_ok=True)
+    me = [sys.executable, __file__]
+    neighbour_args = ["--engine", "stock", "--util", "0.85", "--hold", "150"]
+    neighbour_args += ["--ready", str(ready), "--json", str(out / "neighbour.json")]
+    neighbour = subprocess.Popen([*me, *neighbour_args], env=dict(base, KVASYNC_VLLM="0"))
+    rows = []
+    try:
+        due = time.monotonic() + 300
+        while not ready.exists():
+            if neighbour.poll() is not None or time.monotonic() > due:
+                raise SystemExit("the neighbour engine did not come up")
+            time.sleep(0.5)
+        for engine, env in (
+            ("stock", dict(base, KVASYNC_VLLM="0")),
+            ("kvasync", dict(base, KVASYNC_MEMORY_LIMIT=limit, KVASYNC_NAME="vllm-second")),
+        ):
+            result = out / f"second_{engine}.json"
+            t = time.monotonic()
+            done = subprocess.run(
+                [*me, "--engine", engine, "--json", str(result)],
+                env=env,
+                timeout=300,
+                capture_output=True,
+                text=True,
+            )
+            wall = time.monotonic() - t
+            if done.returncode == 0:
+                data = json.loads(result.read_text())
+                rows.append((engine, "yes", f"{data['start_s']:.1f}", "", data))
+            else:
+                lines = [x for x in done.stderr.splitlines() if "Error" in x or "error" in x]
+                why = (lines[-1] if lines else done.stderr[-300:]).strip()[:160]
+                rows.append((engine, "no", f"({wall:.1f} s to fail)", why, None))
+            (out / f"second_{engine}.log").write_text(done.stdout + done.stderr)
+    finally:
+        neighbour.terminate()
+        neighbour.wait(60)
+    print("| second engine, while a stock engine at 0.85 serves | started | start s | error |")
+    print("| --- | --- | ---: | --- |")
+    for engine, started, start, why, data in rows:
+        extra = ""
+        if data:
+            extra = f" (served: burst {data['phases']['burst']['tok_s']:.0f} tok/s)"
+        print(f"| {engine} | {started}{extra} | {start} | {why} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--engine", choices=("stock", "kvasync"))
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("vllm-bench"))
     parser.add_argument("--limit", default="38GiB", help="the kvasync engine's KV memory limit")
+    parser.add_argument("--util", type=float, default=0.3, help="gpu_memory_utilization")
+    parser.add_argument("--hold", type=float, default=0.0, help="serve this long as neighbour")
+    parser.add_argument("--ready", type=pathlib.Path, help="the file a neighbour writes once up")
+    parser.add_argument(
+        "--colocate", action="store_true", help="a second engine beside a busy stock one"
+    )
     args = parser.parse_args()
     if args.engine:
-        run_engine(args.engine, args.json)
+        run_engine(args.engine, args.json, args.util, args.hold, args.ready)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.colocate:
+        colocate(args.out, args.limit)
+        return
     runs = []
     for index, engine in enumerate(("stock", "kvasync", "stock")):
         print(f"== {engine} engine", flush=True)
