@@ -331,3 +331,40 @@ def test_the_null_block_is_refused_from_an_allocator_in_use() -> None:
         assert kv.stats().used_blocks == 1  # what it took on the way is given back
         with pytest.raises(OutOfBlocks):
             kv.alloc_nowait(257)
+
+
+def kv_cache_config(sizes: list[int], num_blocks: int, block_size: int = 16, **tensor: Any) -> Any:
+    """vLLM's KVCacheConfig as plain data: one KVCacheTensor per layer."""
+    from types import SimpleNamespace
+
+    tensors = [
+        SimpleNamespace(size=size, shared_by=[f"layer.{i}"], **tensor)
+        for i, size in enumerate(sizes)
+    ]
+    spec = SimpleNamespace(block_size=block_size)
+    group = SimpleNamespace(
+        kv_cache_spec=spec, layer_names=[f"layer.{i}" for i in range(len(sizes))]
+    )
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=[group])
+
+
+def test_the_layout_puts_each_vllm_block_at_the_same_bytes() -> None:
+    from kvasync.integrations.vllm._worker import kv_layout_for
+
+    # Llama-1B: 16 layers, a block of 16 tokens x 8 heads x 64 x bf16 x (K, V) = 32 KiB a layer.
+    block = 16 * 8 * 64 * 2 * 2
+    layout = kv_layout_for(kv_cache_config([1000 * block] * 16, 1000))
+    assert layout.num_ranges == 16
+    assert layout.range_block_bytes == block
+    assert layout.block_size == 16
+
+
+def test_a_kv_cache_it_cannot_lay_out_is_refused_naming_why() -> None:
+    from kvasync.integrations.vllm._worker import kv_layout_for
+
+    with pytest.raises(ValueError, match="block_stride"):
+        kv_layout_for(kv_cache_config([4096] * 2, 1, block_stride=4096))
+    with pytest.raises(ValueError, match="one size"):
+        kv_layout_for(kv_cache_config([4096, 8192], 1))
+    with pytest.raises(ValueError, match="whole blocks"):
+        kv_layout_for(kv_cache_config([4097], 2))
