@@ -319,7 +319,16 @@ def test_joining_while_another_process_holds_the_lock_fails_within_a_second_nami
         worker.stdin.write(json.dumps({"cmd": "hold_lock", "share": share, "seconds": 30.0}))
         worker.stdin.write("\n")
         worker.stdin.flush()
-        assert read(worker)["holding"]
+        assert read(worker)["holding"]  # said just before it takes the lock: wait until it has
+
+        def lock_taken() -> bool:
+            try:
+                ledger.snapshot(share, timeout=0.01)
+            except kvasync.KVAsyncError:
+                return True
+            return False
+
+        wait_for(lock_taken, 5.0, "the worker holds the ledger lock")
         config = kvasync.Config(
             backend="host",
             max_blocks=64,
