@@ -88,6 +88,12 @@ class Process:
         event: dict[str, Any] = json.loads(line)
         return event
 
+    def has_output(self) -> bool:
+        """Whether the worker has written anything not read yet (without waiting)."""
+        assert self.popen.stdout is not None
+        ready, _, _ = select.select([self.popen.stdout.fileno()], [], [], 0)
+        return bool(self._buffer) or bool(ready)
+
     def ask(self, command: str, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
         assert self.popen.stdin is not None
         self.popen.stdin.write(command + "\n")
@@ -717,3 +723,23 @@ async def test_tensor_parallel_allocator_open_fails_naming_ranks_that_never_join
         async with kvasync.open_allocator(layout, config):
             pass
     assert not os.path.exists(group_path(name))
+
+
+def test_tensor_parallel_rank_maps_while_its_python_holds_the_gil(
+    name: str, processes: list[Process]
+) -> None:
+    # The rank's side of seed 000: its mapper thread needs nothing from its Python. The rank's
+    # main thread keeps the GIL for 3 s; the map completes while it still does.
+    group = open_group(name, 1, local_backend(), map_timeout=10.0)
+    processes += start_ranks(name, 1)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+    assert processes[0].ask("hold_gil 3")["event"] == "holding"
+
+    status, _blocks, message = alloc_and_wait(pool, 2 * BLOCKS_PER_PAGE, 10.0)
+
+    assert (status, message) == (MAP_OK, "")
+    assert [r["mapped_pages"] for r in group.ranks()] == [2]
+    assert not processes[0].has_output()  # it still holds the GIL: "held" is not out yet
+    assert processes[0].read(30.0)["event"] == "held"
+    close_all(pool, group)

@@ -7,6 +7,7 @@ JSON line ``{"event": "joined", ...}``, then answers commands read from stdin, o
   (an unmapped page would fault and kill the process): ``{"event": "touched", "pages": [...]}``;
 - ``status``: ``{"event": "status", "mapped": [...], "jobs_done", "hung_maps", "left", ...}``;
 - ``delay S`` / ``hang`` / ``fail N`` / ``release``: fault injection in this rank's backend;
+- ``hold_gil S``: prints ``holding``, keeps the GIL for S seconds (busy), prints ``held``;
 - ``wait_left S``: waits (bounded) until the rank left: ``{"event": "left", "ok": bool, ...}``;
 - ``write_blocks [ids]``: with ``--layout``, fills those blocks of every KV buffer (torch views
   over this rank's ranges, as an engine's worker holds them) and reads them back;
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,22 @@ def write_blocks(buffers: list[Any], blocks: list[int], rank: int) -> bool:
         if not bool((buffer[ids] == value).all()):
             return False
     return True
+
+
+def hold_gil(seconds: float) -> None:
+    """Keeps this thread busy in Python, never letting go of the GIL, for ``seconds``.
+
+    A thread that needs the GIL asks for it, and gets it only at the switch interval: set far
+    beyond ``seconds``, so that it gets it only after.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(seconds + 60.0)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def status(mapper: RankMapper, faults: _core.FaultState) -> dict[str, object]:
@@ -138,6 +156,10 @@ def main() -> None:
         elif command == "wait_left":
             ok = mapper.wait_left(float(rest[0]))
             say("left", ok=ok, **status(mapper, faults))
+        elif command == "hold_gil":
+            say("holding")
+            hold_gil(float(rest[0]))
+            say("held")
         elif command == "close":
             break
         else:
