@@ -9,7 +9,7 @@
 //
 // Approach: the scheduler's pool runs unchanged. Its backend is a GroupBackend (group_backend.h):
 // a map or unmap that the pool's mapper thread asks of it is run on the scheduler's own (local)
-// backend and posted, as a job, to every rank; the call returns when every rank has acknowledged
+// backend (unless map_local is false) and posted, as a job, to every rank; the call returns when every rank has acknowledged
 // it, or fails. Each rank process runs a RankMapper (rank_mapper.h): a C++ thread that takes its
 // jobs in order and runs them on that rank's own backend. Nothing on this path is Python: the
 // scheduler's side runs on the pool's mapper thread, the rank's side on its own thread.
@@ -47,7 +47,8 @@
 //  - A rank that never starts: a map waits for every rank to have joined, with its deadline, and
 //    fails naming the ranks that did not; SchedulerGroup::wait_ready does the same at open.
 //  - The scheduler exiting (or closing the group): each rank notices within kLivenessSlice (its
-//    futex slice), unmaps every page it holds, marks itself left, and its thread ends.
+//    futex slice) once the backend call it is in (if any) returns, unmaps every page it holds,
+//    marks itself left, and its thread ends.
 //  - fork(): a group and a rank mapper belong to the process that opened them. A forked child
 //    inherits the objects (never the threads); there, closing touches nothing shared (the file,
 //    the rings, the rank's state and pages stay the parent's) and nothing is posted.
@@ -57,7 +58,8 @@
 // Limitations: one pid namespace (a pid is checked in /proc); the scheduler's process needs a
 // local backend of the group's geometry for the ranges' addresses (mapped too, or with
 // map_local false only reserved); rank-side device fences (unmap only after that rank's GPU
-// work) are the cuda integration's business and not done here.
+// work) are the cuda integration's business and not done here; the file of a scheduler killed
+// with SIGKILL stays in /dev/shm until the next scheduler of that name replaces it.
 #pragma once
 
 #include <atomic>
