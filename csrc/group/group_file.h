@@ -7,12 +7,13 @@
 // broadcast each map to the ranks from a C++ thread that called back into Python (seed 000: a
 // hang when the GIL was held elsewhere), over sockets, with no bound on the wait.
 //
-// Approach: the scheduler's pool runs unchanged. Its backend is a GroupBackend (group_backend.h):
-// a map or unmap that the pool's mapper thread asks of it is run on the scheduler's own (local)
+// Approach: the scheduler's pool runs unchanged. Its backend is a GroupBackend (group_backend.h): a
+// map or unmap that the pool's mapper thread asks of it is run on the scheduler's own (local)
 // backend (unless map_local is false) and posted, as a job, to every rank; the call returns when
-// every rank has acknowledged it, or fails. Each rank process runs a RankMapper (rank_mapper.h): a C++ thread that takes its
-// jobs in order and runs them on that rank's own backend. Nothing on this path is Python: the
-// scheduler's side runs on the pool's mapper thread, the rank's side on its own thread.
+// every rank has acknowledged it, or fails. Each rank process runs a RankMapper (rank_mapper.h): a
+// C++ thread that takes its jobs in order and runs them on that rank's own backend. Nothing on this
+// path is Python: the scheduler's side runs on the pool's mapper thread, the rank's side on its own
+// thread.
 //
 // Transport: one file in /dev/shm per group (group_path() in kvasync._group), mapped by the
 // scheduler and every rank. Per rank: a ring of kGroupRingSlots jobs {seq, kind, pages} written by
