@@ -40,15 +40,18 @@ check (never the signature checks), for trying a new release.
 
 Note [Page ids across processes and ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The scheduler decides block ids; a block id is the same page id in every process, because every
-rank's KV tensors have the same geometry (heads split evenly). CUDA VMM mappings are per
-process, so with the multiprocess executor or TP > 1 the scheduler's allocator (host backend, or
-bookkeeping only) decides ids and each worker process maps them in its own range: the scheduler
-sends, with each step's ``SchedulerOutput``, the pages that became needed and the pages that
-may be unmapped (after the step that last read them), and a rank's mapper maps before the
-step's forward. A step waits until every rank has mapped, or fails within its deadline; no
-Python on the mapping path. Not built yet: with the worker in another process the pool finds
-no allocator in its process and refuses to start, saying so.
+The scheduler decides block ids, and a block id is the same page id on every rank, because every
+rank's KV tensors have the same geometry (heads split evenly). CUDA VMM mappings are per process,
+so with the multiprocess executor or TP > 1 (workers in their own processes) the plan is kvasync's
+tensor-parallel group (README, "Tensor parallel"): the EngineCore's allocator opens
+``Config(tensor_parallel=TensorParallel(name, num_ranks, map_local=False))`` and holds no KV
+memory; each worker process reads ``group_geometry(name)``, reserves a cuda range of that
+geometry, runs a ``RankMapper`` on it and returns views over it from the allocation seam. An
+alloc completes only when every rank has mapped its pages (C++ threads, a shared-memory ring, no
+Python on the path), so the pool's contract is unchanged: a block handed out is mapped on every
+rank; a rank that fails or dies fails the alloc within its deadline, which the pool turns into a
+miss. A rank must also wait for its own stream before an unmap. Not built yet: with the worker in
+another process the pool finds no allocator in its process and refuses to start, saying so.
 """
 
 from __future__ import annotations
