@@ -49,9 +49,10 @@ memory; each worker process reads ``group_geometry(name)``, reserves a cuda rang
 geometry, runs a ``RankMapper`` on it and returns views over it from the allocation seam. An
 alloc completes only when every rank has mapped its pages (C++ threads, a shared-memory ring, no
 Python on the path), so the pool's contract is unchanged: a block handed out is mapped on every
-rank; a rank that fails or dies fails the alloc within its deadline, which the pool turns into a
-miss. A rank must also wait for its own stream before an unmap. Not built yet: with the worker in
-another process the pool finds no allocator in its process and refuses to start, saying so.
+rank; a rank that fails or dies fails the alloc within its deadline (see _pool: an alloc that
+fails after vLLM counted its blocks raises, today). A rank must also wait for its own stream
+before an unmap. Not built yet: with the worker in another process the pool finds no allocator
+in its process and refuses to start, saying so.
 """
 
 from __future__ import annotations
