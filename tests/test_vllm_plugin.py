@@ -242,6 +242,62 @@ def test_cached_blocks_stay_mapped_for_prefix_reuse_within_their_bound(
     assert len(pool.cached_block_hash_to_block) == 0
 
 
+def cache_blocks(pool: Any, blocks: list[Any]) -> None:
+    """Gives each block a prefix-cache entry, as vLLM's cache_full_blocks does."""
+    for block in blocks:
+        key = vllm_block_pool.make_block_hash_with_group_id(
+            vllm_block_pool.BlockHash(block.block_id.to_bytes(32, "little")), 0
+        )
+        block.set_block_hash(key, num_tokens=16)
+        pool.cached_block_hash_to_block.insert(key, block)
+
+
+@needs_vllm
+def test_a_burst_beyond_the_mapped_reserve_waits_for_pages_rather_than_evict_cached_prefixes(
+    engines: list[EngineKV],
+) -> None:
+    # vLLM evicts a cached block only when no uncached block is free; the allocator's unmapped
+    # blocks are free ones (vLLM's test_hybrid_local_kv_retention_interval_survives_recycling).
+    engine = open_engine(engines, 512)
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    # Requests of 10 blocks: the reserve, sized to the requests it sees, stays a few pages.
+    cached = [block for _ in range(20) for block in pool.get_new_blocks(10)]
+    cache_blocks(pool, cached)
+    pool.free_blocks(cached)
+    assert pool.free_block_queue.num_free_blocks == 200
+    burst = 150  # more than the reserve keeps mapped, fewer than the queue holds
+    wait_until(lambda: kv.stats().free_blocks < burst, "a reserve smaller than the burst")
+    taken = pool.get_new_blocks(burst)
+    assert len(taken) == burst
+    assert not {b.block_id for b in taken} & {b.block_id for b in cached}
+    assert pool.free_block_queue.num_free_blocks == 200
+    assert len(pool.cached_block_hash_to_block) == 200
+    assert kv.stats().used_blocks == 1 + 200 + burst
+
+
+@needs_vllm
+def test_cached_prefixes_are_evicted_first_freed_first_for_what_the_limit_lacks(
+    engines: list[EngineKV],
+) -> None:
+    # A limit of 8 pages (128 blocks, the null block's included).
+    engine = open_engine(engines, 1024, memory_limit=8 * 64 << 10)
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    cached = pool.get_new_blocks(100)
+    cache_blocks(pool, cached)
+    pool.free_blocks(cached)
+    room = 8 * BLOCKS_PER_PAGE - 101  # the limit's blocks less the null block and the cached
+    wait_until(lambda: kv.available_blocks() == room, "the limit's room counted")
+    taken = pool.get_new_blocks(50)
+    evicted = 50 - room
+    assert [b.block_id for b in taken[room:]] == [b.block_id for b in cached[:evicted]]
+    assert pool.free_block_queue.num_free_blocks == 100 - evicted
+    assert len(pool.cached_block_hash_to_block) == 100 - evicted
+    assert all(b.block_hash is None and b.ref_cnt == 1 for b in taken)
+    assert kv.stats().mapped_pages <= 8
+
+
 def make_request(request_id: str, tokens: int) -> Any:
     params = SamplingParams(max_tokens=17)
     params.update_from_generation_config({}, eos_token_id=100)

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import weakref
 from typing import Any
 
-from ..._errors import WouldBlock
+from ..._errors import AllocTimeout, OutOfBlocks, WouldBlock
 from ._engine import EngineKV
 
 __all__ = ["make_block_pool_class"]
@@ -100,7 +101,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if num_blocks <= 0:
                 return []
             # Fresh blocks from the allocator before evicting prefix-cache entries; the queue
-            # (cached blocks) makes up what the allocator has not mapped yet.
+            # (cached blocks) makes up what the allocator cannot give (Note [Evict only what
+            # the budget lacks]).
             fresh = self._take(num_blocks, self.free_block_queue.num_free_blocks)
             blocks = self.blocks
             taken = [blocks[i] for i in fresh]
@@ -164,24 +166,38 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             return self._kv
 
         def _take(self, n: int, queued: int) -> list[int]:
-            """Blocks from the allocator: ``n`` if mapped and free now, else at least what the
-            ``queued`` blocks of vLLM's queue do not cover, waiting for their mapping."""
+            """Blocks from the allocator: ``n`` when it can give them within its limit and
+            budget (waiting for their mapping if the reserve was outrun), else what it can, and
+            at least what the ``queued`` blocks of vLLM's queue do not cover.
+
+            Note [Evict only what the budget lacks]: vLLM evicts a prefix-cache entry only when
+            no uncached block is free. Here the uncached free blocks are the allocator's, so a
+            cached block is evicted only for what the allocator cannot give within its limit
+            and budget; that they are not mapped yet is a wait for the mapper, not a reason to
+            drop a prefix others may hit (that made a cached prefix vanish under a burst of
+            allocations larger than the reserve).
+            """
             kv = self._kv
             try:
                 return list(kv.alloc_nowait(n))
             except WouldBlock:
-                pass
+                pass  # the miss started mapping what the reserve lacks
             lacking = n - queued
-            if lacking <= 0:
+            wanted = max(lacking, min(n, kv.available_blocks()))
+            if wanted <= 0:
                 return []
-            try:
-                return list(kv.alloc_nowait(lacking))
-            except WouldBlock:
-                pass
             # The scheduler counted these blocks in get_num_free_blocks: they are within the
-            # limit and the budget, and only their mapping is not done (the reserve, sized to
-            # the headroom, was outrun). A deadline bounds the wait; a MapError is the driver's.
-            return list(kv.alloc(lacking, timeout=_MAP_WAIT))
+            # limit and the budget, and only their mapping is not done. A deadline bounds the
+            # wait; a MapError is the driver's.
+            deadline = time.monotonic() + _MAP_WAIT
+            try:
+                return list(kv.alloc(wanted, deadline=deadline))
+            except (AllocTimeout, OutOfBlocks):
+                if wanted <= lacking:
+                    raise
+            # The budget shrank (a neighbour's share) or the mapper fell behind: the cached
+            # blocks of vLLM's queue make up the rest, as vLLM would evict them.
+            return list(kv.alloc(lacking, deadline=deadline)) if lacking > 0 else []
 
         def _release(self, block_ids: list[int]) -> None:
             if not block_ids:
