@@ -1227,8 +1227,7 @@ def main() -> None:
         "--best-static",
         nargs="*",
         default=["shared peaks", "peak demand", "mean demand"],
-        help="the hindsight splits to run, in order (none: skip); all for the largest N, the "
-        "first for a smaller N",
+        help="the hindsight splits to run, in order (none: skip), for the largest N only",
     )
     parser.add_argument("--engine-kind", default="kvasync", choices=["kvasync", "vllm"])
     parser.add_argument("--out", default="bench/colocate_many")
@@ -1394,9 +1393,8 @@ def main() -> None:
             case.run_static("static 1/N", uniform)
             case.run_shared()
             if case_name == "memory":
-                # Device time: every hindsight split for the largest N (the goal's), the first
-                # of them for the smaller ones.
-                order = args.best_static if n == max(args.engines) else args.best_static[:1]
+                # Device time: the hindsight splits for the largest N only (the goal's).
+                order = args.best_static if n == max(args.engines) else []
                 for label, pages in case.best_static_candidates(lifetime, order):
                     case.run_static(label, pages)
             baseline = case.summaries[0]
