@@ -441,7 +441,9 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create,
       return existing;
     }
   }
-  if (fd < 0 && errno == ENOENT && create) {
+  // The file made (or found made) can be removed again by its last member leaving before this
+  // process opens it: make it anew, a bounded number of times (each round is a few syscalls).
+  for (int attempt = 0; fd < 0 && errno == ENOENT && create && attempt < 16; ++attempt) {
     create_file(path, access);
     fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   }
