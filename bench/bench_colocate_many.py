@@ -316,12 +316,18 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
                 asyncio.gather(*(engine.complete(p, max_tokens=output) for p in prompts)), 300
             )
             decode = [s for _, s, b, new in log.steps[first:] if b == batch and new == batch]
+            # Steps that were mostly prefill (new tokens >= 2x the batch): their tokens/s.
+            prefill = [(s, new) for _, s, b, new in log.steps[first:] if new >= 2 * b]
+            prefill_s = sum(s for s, _ in prefill)
             results["bursts"].append(
                 {
                     "batch": batch,
                     "prompt_tokens": prompt_tokens,
                     "step_s": float(np.median(decode)) if decode else float("nan"),
                     "decode_steps": len(decode),
+                    "prefill_tok_s": (
+                        sum(n for _, n in prefill) / prefill_s if prefill_s > 0 else float("nan")
+                    ),
                 }
             )
         if spec.get("stream"):
@@ -1224,6 +1230,12 @@ def main() -> None:
         "--calibration-s", type=float, default=8.0, help="seconds of the calibration stream"
     )
     parser.add_argument(
+        "--compute-cap",
+        type=float,
+        default=0.5,
+        help="the most of the device's compute the memory-bound traces may load (0..1)",
+    )
+    parser.add_argument(
         "--best-static",
         nargs="*",
         default=["shared peaks", "peak demand", "mean demand"],
@@ -1291,7 +1303,15 @@ def main() -> None:
         capacity = regime.max_batch / step_full  # decode tokens/s of one engine at full batch
         prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
         # Little's law: the rate that keeps hot_batch requests in flight for their lifetime...
-        rate0 = hot_batch / (step_hot * (prefill_steps + mean_output))
+        little = hot_batch / (step_hot * (prefill_steps + mean_output))
+        # ... but compute must not bind: the GPU time a request costs (its prefill at the
+        # measured prefill rate, its decode steps shared by the batch) times the rate of all
+        # engines (the hot one and the cold ones) stays within compute_cap of the device.
+        prefill_tps = calibration[0]["prefill_tok_s"]
+        gpu_s = mean_prompt / prefill_tps + mean_output * step_hot / hot_batch
+        engines_load = 1 + (max(args.engines) - 1) * regime.cold_weight
+        rate_cap = args.compute_cap / (gpu_s * engines_load) if gpu_s > 0 else math.inf
+        rate0 = min(little, rate_cap)
         # ... checked by replaying it for a while on one engine alone, and scaled by the KV it
         # held once steady against the target (the estimate leaves out prefill and admission).
         stream = memory_bound_traces(
@@ -1307,7 +1327,8 @@ def main() -> None:
         # NOTE: the scale is kept within [1/4, 2]: far outside it the engine was not in the
         # regime the estimate assumes (saturated, or nearly idle), and held KV is not linear.
         scale = min(2.0, max(0.25, target / held0)) if held0 > 0 else 1.0
-        hot_rate = rate0 * scale
+        hot_rate = min(rate0 * scale, rate_cap)
+        capped = hot_rate < rate0 * scale
         mean_life = float(measured["mean_lifetime_s"])
 
         def lifetime(r: TraceRequest) -> float:
@@ -1321,19 +1342,34 @@ def main() -> None:
             f"tokens ({held_tokens * geo.token_bytes / MIB:.1f} MiB) on average; the hot "
             f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
             f"({target / MIB:.0f} MiB, {hot_batch} requests), more than a 1/N partition. "
-            f"Little's law with the step time at that batch: {rate0:.2f} req/s. Replayed for "
+            f"Little's law with the step time at that batch: {little:.2f} req/s (within the "
+            f"compute cap: {rate0:.2f}). Replayed for "
             f"{args.calibration_s:.0f} s on one engine alone, that rate held "
             f"{held0 / MIB:.0f} MiB once steady (requests lived {mean_life:.2f} s; estimated "
             f"{step_hot * (prefill_steps + mean_output):.2f} s), so the hot "
             f"rate is {rate0:.2f} x {scale:.3g} (target / held, within [1/4, 2]) = {hot_rate:.2f} "
             f"req/s; cold engines get {regime.cold_weight:.0%} of it; bursts x"
             f"{regime.burst_factor} for {regime.burst_s} s, {regime.bursts_per_min:g}/min per "
-            f"engine.\n"
+            f"engine.\n\n"
+            f"**Compute check**: prefill {prefill_tps:.0f} tok/s; a request costs {gpu_s:.3f} "
+            f"GPU-s (prefill + its share of the decode steps); the engines' load at the hot "
+            f"rate is {hot_rate * gpu_s * engines_load:.0%} of the device (cap "
+            f"{args.compute_cap:.0%}; Little's law alone gave {little:.2f} req/s)"
+            + (
+                f". **Capped by compute**: at {hot_rate:.2f} req/s the hot working set is below "
+                f"its target, so these request shapes cannot make memory bind on this engine "
+                f"(longer outputs, shorter prompts would).\n"
+                if capped or rate0 < little
+                else ".\n"
+            )
         )
         summary_json["calibration"] = {
             "bursts": calibration,
             "hot_batch": hot_batch,
             "rate0": rate0,
+            "little_rate": little,
+            "rate_cap": rate_cap,
+            "prefill_tok_s": prefill_tps,
             "stream": measured,
             "hot_rate": hot_rate,
         }
