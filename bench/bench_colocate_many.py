@@ -25,10 +25,13 @@ Cases:
            variant runs, so that the hot engine's working set (Little's law: rate x lifetime x KV
            per request, the lifetime from the decode step time measured at that batch) is
            ``hot_fill`` of the whole budget: more than a 1/N partition holds (N >= 2 with
-           hot_fill > 1/2), while the hot engine plus the cold ones fit the budget together. The
-           batch this needs is far below ``max_batch``, so compute does not bind; the output
-           shows it (step time at the crest against the step time at full batch, and tokens/s
-           at the crest against the full batch's).
+           hot_fill > 1/2), while the hot engine plus the cold ones fit the budget together, and
+           so that all engines' GPU time (each request's prefill at the measured prefill rate,
+           plus its share of the decode steps) stays within ``--compute-cap`` of the device;
+           the output says when that cap keeps the working set below its target (then these
+           request shapes cannot make memory bind). The regime check: step time and tokens/s at
+           the crest against the full batch's, GPU busy (NVML), the calibration's measured
+           lifetime against the estimate; the static variant's preemptions and memory queue.
   compute  the compute-bound trace of bench_serving.py --colocated-only (two engines, bump-shaped
            arrivals peaking at 30% and 70% of the run, both past their compute at the crest), on
            this harness (static halves against shared): no memory policy can win here; the goal
