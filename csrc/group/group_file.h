@@ -69,6 +69,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "common/process.h"
 
 namespace kvasync {
 
@@ -138,10 +139,9 @@ namespace group_detail {
 
 using Clock = std::chrono::steady_clock;
 
-// This process's start time (/proc/self/stat field 22).
-uint64_t own_start_time();
-// Whether `pid` is the live (not zombie) process that started at `start_time`.
-bool process_alive(int32_t pid, uint64_t start_time);
+// Who a process is (csrc/common/process.h), shared with the ledger.
+using kvasync::own_start_time;
+using kvasync::process_alive;
 
 void futex_wake(std::atomic<uint32_t>& word);
 // FUTEX_WAIT while the word is `seen`, at most `timeout`; the caller re-checks either way.
