@@ -143,11 +143,17 @@ def test_ls_stays_readable_in_a_narrow_terminal():
     )
     with kvasync.open_allocator_sync(layout, config) as kv:
         blocks = kv.alloc(600, timeout=5.0)
+        kv.set_demand(900)  # an engine's running and waiting need, which `ls` shows
         mapped = kv.stats().mapped_bytes
 
         def settled(entry: kvasync.share.LedgerEntry) -> bool:
             # The watcher publishes every 100 ms: wait for the view after the map, op and all.
-            return bool(entry.used_bytes) and entry.mapped_bytes == mapped and not entry.op
+            return (
+                bool(entry.used_bytes)
+                and entry.mapped_bytes == mapped
+                and not entry.op
+                and entry.demand_bytes > 0
+            )
 
         deadline = time.monotonic() + 5.0
         while not settled(entry := kvasync.share.snapshot(share)[0]):
@@ -165,6 +171,7 @@ def test_ls_stays_readable_in_a_narrow_terminal():
         "used": format_bytes(entry.used_bytes),
         "mapped": format_bytes(entry.mapped_bytes),
         "reserve": format_bytes(entry.reserved_bytes),
+        "demand": format_bytes(entry.demand_bytes),
         "limit": format_bytes(entry.limit_bytes),
         "mapper op": "idle",
     }

@@ -79,7 +79,17 @@ def _op_text(entry: ledger.LedgerEntry) -> Text:
     return Text(text, style="bold red" if entry.op_age_s >= STALLED_AFTER_S else "")
 
 
-_COLUMNS = ("pid", "name", "used", "mapped", "reserve", "limit", "waiters", "mapper op")
+_COLUMNS = (
+    "pid",
+    "name",
+    "used",
+    "mapped",
+    "reserve",
+    "demand",
+    "limit",
+    "waiters",
+    "mapper op",
+)
 
 
 def _cells(e: ledger.LedgerEntry) -> list[str | Text]:
@@ -91,6 +101,7 @@ def _cells(e: ledger.LedgerEntry) -> list[str | Text]:
         format_bytes(e.used_bytes),
         format_bytes(e.mapped_bytes),
         format_bytes(e.reserved_bytes),
+        format_bytes(e.demand_bytes),
         format_bytes(e.limit_bytes),
         Text(waiters, style="yellow" if e.waiters else ""),
         _op_text(e),

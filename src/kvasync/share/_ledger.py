@@ -52,6 +52,9 @@ class LedgerEntry:
     page_bytes: int
     waiters: int
     blocked: int  # waiters short of the share's budget
+    # What it wants now (Allocator.set_demand; an engine's running and waiting need): the share
+    # divides its budget by these (Note [Fair share under pressure] in csrc/ledger/ledger.h).
+    demand_bytes: int
     op: str  # what its mapper is doing ("" when idle)
     op_age_s: float
     serial: int  # tells apart allocators of one process
@@ -106,6 +109,7 @@ def snapshot(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> list[LedgerEntr
             page_bytes=row["page_bytes"],
             waiters=row["waiters"],
             blocked=row["blocked"],
+            demand_bytes=row["demand_bytes"],
             op=row["op"],
             op_age_s=row["op_age_s"],
             serial=row["serial"],
