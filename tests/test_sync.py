@@ -299,3 +299,25 @@ def test_alloc_observers_see_the_allocs_of_the_facades_threads():
         kv.free(kv.alloc(1, timeout=5.0))
         assert len(seen) == 4
         kv.free(held)
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [("8MiB", TypeError), (2.5e6, TypeError), (True, TypeError), (0, ValueError)],
+)
+def test_resize_refuses_a_bad_limit_with_the_same_error_as_the_async_allocator(limit, error):
+    # The facade raised ValueError for a limit of the wrong type where Allocator.resize raises
+    # TypeError; a caller switching between them saw a different exception for one mistake.
+    cfg = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        before = kv.stats().memory_limit_pages
+        with pytest.raises(error, match="memory_limit"):
+            kv.resize(memory_limit=limit, timeout=5.0)
+        assert kv.stats().memory_limit_pages == before
+
+    async def resize_async() -> None:
+        async with kvasync.open_allocator(LAYOUT, cfg) as kv_async:
+            with pytest.raises(error, match="memory_limit"):
+                await kv_async.resize(memory_limit=limit, timeout=5.0)
+
+    asyncio.run(resize_async())

@@ -186,8 +186,8 @@ class SyncAllocator:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
         source = self._source
         source.check_process()
-        if memory_limit is not None and (type(memory_limit) is not int or memory_limit <= 0):
-            raise ValueError(f"memory_limit must be a positive int or None, got {memory_limit!r}")
+        if memory_limit is not None:  # the same errors as Allocator.resize
+            _validate.integer(memory_limit, "memory_limit", minimum=1)
         pages = source.limit_pages(memory_limit)
         due = self._due(timeout, None)
         self._check_thread()
