@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import os
 import uuid
 from dataclasses import dataclass, field, replace
@@ -62,7 +63,7 @@ class Harness:
     """A scheduler over ``Blocks``, with the engine's side of a preemption (free the victim's
     blocks) and of an admission (alloc, then ``admitted``)."""
 
-    def __init__(self, view: KVView, **limits: int) -> None:
+    def __init__(self, view: KVView, step_target: float | None = None, **limits: int) -> None:
         self.view = view
         self.released: list[int] = []
         self.scheduler: Scheduler[Request] = Scheduler(
@@ -72,6 +73,8 @@ class Harness:
             max_batch_tokens=limits.get("max_batch_tokens", 4096),
             patience=0.05,
             release=self.release,
+            step_target=step_target,
+            compute_min_batch=limits.get("compute_min_batch", 4),
         )
         self.ids = itertools.count()
 
@@ -160,6 +163,104 @@ def test_admission_respects_the_batch_and_its_token_budget() -> None:
         harness.decode(request)  # one new token each from now on
     assert harness.admit_all() == [requests[2]]  # 3 requests: the batch is full
     assert list(harness.scheduler.waiting) == [requests[3]]
+
+
+def test_admission_holds_while_recent_steps_are_slower_than_the_step_target() -> None:
+    # Memory for all, but compute: 4 running requests whose steps take 80 ms against a target of
+    # 50 ms (a TPOT SLO of 100 ms, with room). Nothing more is admitted, memory or not, and
+    # admission is not paused (that is memory's); as the steps speed up it resumes.
+    view = Blocks(available=1000)
+    harness = Harness(view, step_target=0.05)
+    running = [harness.submit(16) for _ in range(4)]
+    assert harness.admit_all() == running  # no step yet: nothing known of compute
+    late = harness.submit(16)
+    for _ in range(3):
+        harness.scheduler.stepped(0.08)
+    assert harness.scheduler.compute_bound()
+    assert harness.admit_all() == []
+    assert list(harness.scheduler.waiting) == [late] and not harness.scheduler.paused
+    assert harness.scheduler.compute_holds == 1
+    # The recent step time is an average of the last few: one fast step is not enough...
+    harness.scheduler.stepped(0.02)
+    assert harness.scheduler.recent_step is not None and harness.scheduler.recent_step > 0.05
+    assert harness.admit_all() == []
+    # ... a few are.
+    for _ in range(3):
+        harness.scheduler.stepped(0.02)
+    assert not harness.scheduler.compute_bound()
+    assert harness.admit_all() == [late]
+
+
+def test_the_compute_hold_spares_a_small_batch_and_a_request_alone() -> None:
+    # Slow steps with 2 running (under compute_min_batch = 3): the steps are slow because of the
+    # other engines on the device, and admission goes on up to the floor, then holds.
+    view = Blocks(available=1000)
+    harness = Harness(view, step_target=0.05, compute_min_batch=3)
+    first, second = harness.submit(16), harness.submit(16)
+    assert harness.admit_all() == [first, second]
+    harness.scheduler.stepped(0.5)
+    third, fourth = harness.submit(16), harness.submit(16)
+    assert harness.admit_all() == [third]  # 3 now run: the hold applies
+    assert list(harness.scheduler.waiting) == [fourth]
+    # Everything ended: the one waiting is admitted alone, however slow the last steps were.
+    for request in (first, second, third):
+        harness.scheduler.remove(request)
+    assert harness.admit_all() == [fourth]
+
+
+def test_without_a_step_target_slow_steps_never_hold_admission() -> None:
+    harness = Harness(Blocks(available=1000))
+    running = [harness.submit(16) for _ in range(8)]
+    assert harness.admit_all() == running
+    harness.scheduler.stepped(10.0)
+    assert not harness.scheduler.compute_bound()
+    late = harness.submit(16)
+    assert harness.admit_all() == [late]
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, math.inf, math.nan])
+def test_a_step_target_that_is_not_positive_seconds_is_refused(target: float) -> None:
+    with pytest.raises(ValueError, match="step_target"):
+        Harness(Blocks(available=1), step_target=target)
+    with pytest.raises(ValueError, match="step_target"):
+        EngineConfig(step_target=target)
+    with pytest.raises(ValueError, match="compute_min_batch"):
+        EngineConfig(compute_min_batch=0)
+
+
+async def test_an_engine_reports_its_steps_and_holds_admission_for_compute() -> None:
+    # A real engine (tiny model, CPU): with a step target no step can meet and a floor of 1, once
+    # it has stepped (a first request) it runs one request at a time (each admitted alone, when
+    # the one before ended): the hold never starves a queue. Without a target the same requests
+    # run together.
+    import asyncio
+
+    from kvasync.serve import open_engine
+
+    async def most_running(config: EngineConfig) -> tuple[int, int]:
+        async with open_engine(config) as engine:
+            await engine.complete("warm", max_tokens=2)
+            most = 0
+
+            async def watch() -> None:
+                nonlocal most
+                while True:
+                    most = max(most, len(engine.scheduler.running))
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.ensure_future(watch())
+            prompts = [engine.complete("z" * (8 + i), max_tokens=6) for i in range(4)]
+            results = await asyncio.wait_for(asyncio.gather(*prompts), 60)
+            watcher.cancel()
+            assert [r.output_tokens for r in results] == [6] * 4
+            assert engine.scheduler.recent_step is not None  # the engine reported its steps
+            return most, engine.scheduler.compute_holds
+
+    base = {"preset": "tiny", "device": "cpu", "request_timeout": 60.0}
+    most, holds = await most_running(EngineConfig(step_target=1e-9, compute_min_batch=1, **base))
+    assert most == 1 and holds > 0
+    most, holds = await most_running(EngineConfig(**base))
+    assert most > 1 and holds == 0
 
 
 def test_growth_preempts_the_youngest_first_and_requeues_it_at_the_head() -> None:

@@ -46,6 +46,12 @@ class EngineConfig:
         share_wait: in a share, how long a request waits for a block to grow into (memory the
             other engines give back) before the youngest is preempted.
         request_timeout: a request's deadline, in seconds after submission, when it gives none.
+        step_target: seconds a step may take before the engine stops admitting requests
+            (compute, as memory: Note [Engine scheduling]); a fraction of the TPOT SLO, so that
+            co-located engines sharing a GPU do not admit more than its compute carries. None:
+            admission counts memory only.
+        compute_min_batch: the step target holds admission only for a batch of at least this
+            many requests (a smaller one is slow because of the other engines on the device).
         attention: ``"triton"``, ``"torch"`` or ``"auto"`` (triton on a GPU).
         share: kvasync device share to join (co-located engines); None = none.
         device_budget: bytes the share's allocators may map together.
@@ -69,6 +75,8 @@ class EngineConfig:
     alloc_timeout: float = 0.05
     share_wait: float = 0.5
     request_timeout: float = 60.0
+    step_target: float | None = None
+    compute_min_batch: int = 4
     attention: str = "auto"
     share: str | None = None
     device_budget: int | None = None
@@ -82,7 +90,7 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention must be auto, triton or torch, got {self.attention!r}"
             )
-        for name in ("max_blocks", "max_batch", "max_batch_tokens"):
+        for name in ("max_blocks", "max_batch", "max_batch_tokens", "compute_min_batch"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -90,6 +98,13 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"EngineConfig.{name} must be positive seconds, got {value!r}")
+        target = self.step_target
+        if target is not None and not (
+            isinstance(target, (int, float)) and math.isfinite(target) and target > 0
+        ):
+            raise ValueError(
+                f"EngineConfig.step_target must be positive seconds or None, got {target!r}"
+            )
 
     @property
     def model(self) -> ModelConfig:

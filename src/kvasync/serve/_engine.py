@@ -96,6 +96,8 @@ class Engine:
             # How long a grow waits before the youngest is preempted (Note [Engine scheduling]).
             patience=config.share_wait if config.share is not None else config.alloc_timeout,
             release=self._release,
+            step_target=config.step_target,
+            compute_min_batch=config.compute_min_batch,
         )
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -518,6 +520,7 @@ class Engine:
         starts = [r.num_computed for r in batch]
         tables = [list(r.blocks) for r in batch]
         sampling = [r.sampling for r in batch]
+        began = time.monotonic()
         step = self._executor.submit(self.runner.execute, tokens, starts, tables, sampling)
         self._step_future = step
         try:
@@ -530,6 +533,7 @@ class Engine:
                     self.kv.free(deferred)
         self._counts["steps"] += 1
         now = time.monotonic()
+        self.scheduler.stepped(now - began)  # admission counts compute (step_target)
         for request, token, seq_tokens in zip(batch, sampled, tokens, strict=True):
             if request.done or request not in self.scheduler.running:
                 continue  # expired, aborted or preempted during the step
