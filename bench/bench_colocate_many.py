@@ -62,6 +62,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -99,19 +100,29 @@ class Regime:
     max_batch_tokens: int
     slo_ttft_s: float
     slo_tpot_s: float
-    hot_fill: float = 0.6  # the hot engine's working set, as a share of the whole budget
-    cold_weight: float = 0.12  # a cold engine's arrival rate, as a share of the hot one's
-    burst_factor: float = 1.6  # arrivals during a burst, times the rate outside it
+    hot_fill: float = 0.75  # the hot engine's working set, as a share of the whole budget
+    cold_weight: float = 0.05  # a cold engine's arrival rate, as a share of the hot one's
+    burst_factor: float = 1.3  # arrivals during a burst, times the rate outside it
     burst_s: float = 1.5
     bursts_per_min: float = 6.0  # per engine, Poisson
     give_up_factor: float = 3.0  # a client leaves after this many TTFT SLOs without a token
+    hot_phases: int = 2  # engines hot in turn (0, 1, ...), for 2/3 and 1/3 of the run with 2
+    # Admission holds while the engine's recent step time is above this share of the TPOT SLO
+    # (EngineConfig.step_target): the rest is room for the steps that carry prefills and for
+    # the other engines' kernels between its steps.
+    step_target_frac: float = 0.6
 
 
 REGIMES = {
-    # tiny, host backend: 256 KiB page ids of 512 tokens; 8 MiB = 32 page ids = 16k tokens.
-    "tiny": Regime(8, 240, (128, 400), (16, 64), 64, 4096, 2.0, 0.1),
-    # small, cuda: 48 MiB page ids of 4096 tokens (12 KiB a token); 1536 MiB = 32 page ids.
-    "small": Regime(1536, 1800, (1024, 3200), (64, 256), 256, 8192, 2.0, 0.05),
+    # tiny, host backend: 256 KiB page ids of 512 tokens (512 B a token); 8 MiB = 32 page ids
+    # = 16k tokens. Decode-heavy like small, scaled to a CPU (which is compute-bound anyway:
+    # this preset checks the harness end to end, not the regime).
+    "tiny": Regime(8, 64, (32, 128), (48, 128), 64, 1024, 2.0, 0.1),
+    # small, cuda: 48 MiB page ids of 4096 tokens (12 KiB a token); 1536 MiB = 32 page ids =
+    # 128k tokens. Decode-heavy (the docstring's arithmetic): prompts of 128-512 tokens, outputs
+    # of 256-640; TPOT SLO 75 ms (13 tokens/s, faster than anyone reads; a 640-token answer
+    # within 50 s), so that the SLO horizon stays under a minute (2 + 640 x 0.075 + 1 = 51 s).
+    "small": Regime(1536, 256, (128, 512), (256, 640), 256, 4096, 2.0, 0.075),
 }
 
 
@@ -158,17 +169,19 @@ class TraceRequest:
     max_tokens: int
 
 
-def hot_schedule(engines: int, duration: float) -> list[tuple[float, int]]:
+def hot_schedule(engines: int, duration: float, phases: int = 2) -> list[tuple[float, int]]:
     """(start, hot engine) phases: engines 0..m-1 hot in turn for m, m-1, ..., 1 parts of the run
-    (m = max(2, N - 1)): popularity shifts, and unevenly, so that a static split with hindsight
-    has something to exploit; with N = 4 the last engine is never hot."""
-    m = max(2, engines - 1)
+    (m = min(phases, N), at least 2): popularity shifts, and unevenly, so that a static split
+    with hindsight has something to exploit. The other engines are never hot. Few, long phases:
+    a phase much shorter than a request's lifetime is over before the static split's queue
+    forms (the docstring's arithmetic)."""
+    m = max(2, min(phases, engines))
     weights = list(range(m, 0, -1))
-    phases, start = [], 0.0
+    schedule, start = [], 0.0
     for engine, weight in enumerate(weights):
-        phases.append((start, engine))
+        schedule.append((start, engine))
         start += duration * weight / sum(weights)
-    return phases
+    return schedule
 
 
 def hot_at(phases: list[tuple[float, int]], t: float) -> int:
@@ -187,7 +200,7 @@ def memory_bound_traces(
 ) -> list[list[TraceRequest]]:
     """One trace per engine: Poisson arrivals (by thinning) at ``hot_rate`` while the engine is
     hot, ``cold_weight`` of it while cold, times ``burst_factor`` within its bursts."""
-    phases = hot_schedule(engines, duration)
+    phases = hot_schedule(engines, duration, regime.hot_phases)
     traces = []
     for engine in range(engines):
         rng = np.random.default_rng([seed, engine])
@@ -212,6 +225,84 @@ def memory_bound_traces(
             requests.append(TraceRequest(t, *_lengths(rng, regime)))
         traces.append(requests)
     return traces
+
+
+def paper_within_slo(
+    regime: Regime, n: int, duration: float, hot_rate: float, lifetime_s: float
+) -> tuple[float, float]:
+    """(static 1/N, shared): requests within SLO on paper (the docstring's arithmetic)."""
+    s = min(1.0, 1.0 / (n * regime.hot_fill))  # the hot working set a 1/N partition holds
+    tau = regime.slo_ttft_s
+    # Shared: the hot engine and the cold ones fit the budget together (else the share of it).
+    served = min(1.0, 1.0 / (regime.hot_fill * (1 + (n - 1) * regime.cold_weight)))
+    schedule = hot_schedule(n, duration, regime.hot_phases)
+    ends = [start for start, _ in schedule[1:]] + [duration]
+    static = shared = 0.0
+    for (start, _), end in zip(schedule, ends, strict=True):
+        arrivals = hot_rate * (end - start)
+        shared += served * arrivals
+        if s >= 1.0:
+            static += arrivals
+        else:
+            static += min(arrivals, s * hot_rate * (lifetime_s + tau / (1 - s)))
+    cold = (n - 1) * regime.cold_weight * hot_rate * duration
+    return static + cold, shared + cold
+
+
+READY_S = 10.0  # a variant's start: its engines open (a static one maps its split), warm up
+
+
+def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
+    """The wall time each variant may take, up front: its start, its arrivals and its SLO
+    horizon (the cut), and what it should take: the tail of a run is the clients' give-up and
+    the longest output at the engines' step target."""
+    from bench_serving import WORKLOADS
+
+    rows = []
+    give_up = regime.give_up_factor * regime.slo_ttft_s
+    step_target = regime.step_target_frac * regime.slo_tpot_s
+    horizon = regime.slo_ttft_s + regime.output_range[1] * regime.slo_tpot_s + 1.0
+    expected = READY_S + args.duration + give_up + regime.output_range[1] * step_target
+    bound = READY_S + args.duration + horizon
+    calibration = 4 * READY_S + args.calibration_s + horizon
+    rows.append(["calibration", "", "", f"{calibration:.0f}", f"{calibration:.0f}"])
+    plan: list[tuple[str, int, list[str]]] = []
+    if "memory" in args.cases:
+        for n in args.engines:
+            hindsight = [f"static by {b}" for b in args.best_static] if n == n_max else []
+            plan.append(("memory", n, ["static 1/N", "shared", *hindsight]))
+    if "compute" in args.cases:
+        plan.insert(min(1, len(plan)), ("compute", 2, ["static 1/N", "shared"]))
+    total_bound, total_expected = calibration, calibration
+    for case, n, variants in plan:
+        if case == "compute":
+            workload = WORKLOADS[args.preset]
+            duration = args.compute_duration or args.duration
+            c_bound = (
+                READY_S
+                + duration
+                + workload.slo_ttft_s
+                + workload.output_range[1] * workload.slo_tpot_s
+                + 1.0
+            )
+            c_expected = (
+                READY_S
+                + duration
+                + workload.output_range[1] * regime.step_target_frac * workload.slo_tpot_s
+            )
+        else:
+            c_bound, c_expected = bound, expected
+        for variant in variants:
+            rows.append([case, str(n), variant, f"{c_expected:.0f}", f"{c_bound:.0f}"])
+            total_bound += c_bound
+            total_expected += c_expected
+    rows.append(["**total**", "", "", f"**{total_expected:.0f}**", f"**{total_bound:.0f}**"])
+    return (
+        "**Planned wall time** (s; expected: start + arrivals + give-up + the longest output at "
+        "the step target; at most: start + arrivals + the SLO horizon, where a run is cut)\n\n"
+        + markdown(["case", "N", "variant", "expected s", "at most s"], rows)
+        + "\n"
+    )
 
 
 def compute_bound_traces(preset: str, duration: float, seed: int) -> list[list[TraceRequest]]:
@@ -300,16 +391,21 @@ def _reply(**fields: object) -> None:
 
 
 async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine alone on the device. Bursts: per (batch, prompt tokens, output tokens), the
-    median decode step time (steps that were all decode at that batch). Stream: a trace replayed
-    at its rate; the KV it held on average once steady (the second half), by Little's law the
-    rate x lifetime x KV per request the working-set estimate assumed, measured."""
+    """One engine. Bursts: per (batch, prompt tokens, output tokens), the median decode step time
+    (steps that were all decode at that batch) and the prefill rate. With ``together``, the
+    engine says ready and starts its bursts at the parent's go, at the same moment as the other
+    engines' (the step time co-located). Stream: a trace replayed at its rate on the engine
+    alone; its requests' lifetimes and the KV it held once steady (the second half)."""
     from kvasync.serve import Engine
     from kvasync.serve._report import MemorySampler
 
     engine = await Engine.open(engine_config(spec))
     async with engine:
         await engine.complete("warm up", max_tokens=2)
+        if spec.get("together"):
+            _reply(ready=True)
+            go = await _read_command()
+            await asyncio.sleep(max(0.0, go["start_at"] - time.time()))
         log = StepLog(engine)
         results: dict[str, Any] = {"bursts": []}
         for batch, prompt_tokens, output in spec["bursts"]:
@@ -337,6 +433,7 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
             trace = [TraceRequest(*r) for r in json.loads(Path(spec["stream"]).read_text())]
             kv = engine.kv
             start = time.monotonic()
+            log.start, first_step = start, len(log.steps)
 
             async def one(index: int, request: TraceRequest) -> float:
                 await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
@@ -356,6 +453,13 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
                 "mean_used_blocks": float(np.mean(steady)) if steady else 0.0,
                 "mean_lifetime_s": float(np.mean(lifetimes)),
                 "requests": len(trace),
+                # The steps while it was steady: mixed prefill and decode, as in the runs.
+                "steady_step_s": float(
+                    np.mean(
+                        [d for t, d, _, _ in log.steps[first_step:] if end / 2 <= t <= end]
+                        or [np.nan]
+                    )
+                ),
             }
         return results
 
@@ -403,9 +507,10 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
         memory = MemorySampler(lambda: kv.stats().mapped_bytes, SAMPLE_S)
         waiting = MemorySampler(lambda: len(scheduler.waiting), SAMPLE_S)
         running = MemorySampler(lambda: len(scheduler.running), SAMPLE_S)
-        for sampler in (memory, waiting, running):
+        held = MemorySampler(lambda: int(scheduler.compute_bound()), SAMPLE_S)
+        for sampler in (memory, waiting, running, held):
             sampler.start = start
-        with memory, waiting, running:
+        with memory, waiting, running, held:
             tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(trace)]
             # A run ends at its SLO horizon: the last arrival plus the TTFT SLO plus the longest
             # output at the TPOT SLO, the latest any request within both SLOs can finish. What
@@ -425,6 +530,7 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
             "memory": memory.samples,
             "waiting": waiting.samples,
             "running": running.samples,
+            "compute held": held.samples,
             "steps": log.steps,
             "records": [record_to_json(r, start) for r in records],
             "extra": {
@@ -594,6 +700,7 @@ class EngineRun:
     memory: list[tuple[float, int]]
     waiting: list[tuple[float, int]]
     running: list[tuple[float, int]]
+    compute_held: list[tuple[float, int]]  # 1 while admission held for compute (step_target)
     steps: list[tuple[float, float, int, int]]
     duration: float
     extra: dict[str, float]
@@ -664,6 +771,28 @@ class Harness:
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
+    def calibrate_together(
+        self, regime: Regime, bursts: list[list[tuple[int, int, int]]]
+    ) -> list[dict[str, Any]]:
+        """Bursts on several engines at once (one list of bursts per engine)."""
+        workers = self.pool(len(bursts))
+        outs = []
+        for index, (worker, mine) in enumerate(zip(workers, bursts, strict=True)):
+            out = self.tmp / f"calibration_{index}.json"
+            outs.append(out)
+            config = self.base_config(
+                regime.max_batch, regime.max_batch_tokens, name=f"calibration{index}"
+            )
+            worker.send(op="calibrate", config=config, bursts=mine, together=True, out=str(out))
+        for worker in workers:
+            worker.expect("ready", READY_TIMEOUT_S)
+        start_at = time.time() + 0.5
+        for worker in workers:
+            worker.send(op="go", start_at=start_at)
+        for worker in workers:
+            worker.expect("done", 600)
+        return [json.loads(out.read_text()) for out in outs]
+
     def run(
         self,
         variant: str,
@@ -720,6 +849,7 @@ class Harness:
                     memory=[(float(t), int(b)) for t, b in data["memory"]],
                     waiting=[(float(t), int(n)) for t, n in data["waiting"]],
                     running=[(float(t), int(n)) for t, n in data["running"]],
+                    compute_held=[(float(t), int(n)) for t, n in data["compute held"]],
                     steps=[(float(t), float(d), int(b), int(k)) for t, d, b, k in data["steps"]],
                     duration=data["duration"],
                     extra=data["extra"],
@@ -746,18 +876,24 @@ def integral(samples: list[tuple[float, int]], weight: Callable[[int, int], floa
     return total
 
 
-def queue_seconds(engine: EngineRun, max_batch: int) -> tuple[float, float]:
-    """(request-seconds waiting, request-seconds waiting while the batch had room): the second is
-    the wait for memory (the batch was not full, yet they were not admitted)."""
-    running = engine.running
+def queue_seconds(engine: EngineRun, max_batch: int) -> tuple[float, float, float]:
+    """(request-seconds waiting, of them while admission was held for compute, and while the
+    batch had room and compute did not hold it): the last is the wait for memory."""
+    running, held = engine.running, engine.compute_held
     waited = integral(engine.waiting, lambda n, k: float(n))
 
-    def for_memory(n: int, k: int) -> float:
-        # The samplers run in one task, in turn: sample k of each is about the same moment.
-        r = running[min(k, len(running) - 1)][1]
-        return float(n) if r < max_batch else 0.0
+    # The samplers run in one task, in turn: sample k of each is about the same moment.
+    def held_at(k: int) -> bool:
+        return bool(held) and held[min(k, len(held) - 1)][1] > 0
 
-    return waited, integral(engine.waiting, for_memory)
+    def for_compute(n: int, k: int) -> float:
+        return float(n) if held_at(k) else 0.0
+
+    def for_memory(n: int, k: int) -> float:
+        r = running[min(k, len(running) - 1)][1]
+        return float(n) if r < max_batch and not held_at(k) else 0.0
+
+    return waited, integral(engine.waiting, for_compute), integral(engine.waiting, for_memory)
 
 
 def reclaim_times(samples: list[LedgerSample], page_bytes: int) -> tuple[list[float], int]:
@@ -786,6 +922,51 @@ def reclaim_times(samples: list[LedgerSample], page_bytes: int) -> tuple[list[fl
             if committed - used >= page_bytes:
                 open_since[name] = (t, committed)
     return times, unresolved + len(open_since)
+
+
+REGROW_HOLD_S = 0.3  # LimitPolicy::kRegrowHold: Note [Fair share under pressure], no oscillation
+
+
+def limit_turns(samples: list[LedgerSample], budget: int) -> dict[str, dict[str, float]]:
+    """Per member, how its limit in force (at most the budget) moved between ledger samples:
+    the most direction changes and fall->rise turns in any 1 s window, and the closest two
+    fall->rise turns. A turn is seen at the first sample after it, so two turns seen at samples
+    j > i were at most t_j - t_(i-1) apart: the bound (one fall->rise turn per kRegrowHold) is
+    broken for certain when that is under the hold (``broken``)."""
+    series: dict[str, list[tuple[int, float, int]]] = {}  # member -> (index, time, limit)
+    for index, (t, entries) in enumerate(samples):
+        for name, *_, limit in entries:
+            series.setdefault(name, []).append((index, t, min(limit, budget)))
+    times = [t for t, _ in samples]
+    result = {}
+    for name, points in series.items():
+        changes: list[float] = []  # times of direction changes
+        turns: list[int] = []  # sample indexes of fall->rise turns
+        direction = 0
+        for (_, _, before), (index, t, after) in itertools.pairwise(points):
+            if after == before:
+                continue
+            moved = 1 if after > before else -1
+            if direction and moved != direction:
+                changes.append(t)
+                if moved > 0:
+                    turns.append(index)
+            direction = moved
+
+        def most_in_a_second(at: list[float]) -> int:
+            return max((sum(1 for u in at if t <= u < t + 1.0) for t in at), default=0)
+
+        spans = [
+            times[j] - times[max(0, i - 1)] for i, j in itertools.pairwise(turns)
+        ]  # the most two consecutive turns can have been apart
+        result[name] = {
+            "changes per s max": float(most_in_a_second(changes)),
+            "turns per s max": float(most_in_a_second([times[i] for i in turns])),
+            "turns": float(len(turns)),
+            "closest turns s": min(spans) if spans else float("nan"),
+            "broken": float(any(span < REGROW_HOLD_S for span in spans)),
+        }
+    return result
 
 
 def blocked_spans(samples: list[LedgerSample]) -> list[float]:
@@ -825,14 +1006,19 @@ def crest(run: VariantRun) -> tuple[float, float, float]:
 
 
 def summarize_variant(
-    run: VariantRun, regime: Regime, max_batch: int, page_bytes: int, arrivals_s: float
+    run: VariantRun,
+    regime: Regime,
+    max_batch: int,
+    page_bytes: int,
+    arrivals_s: float,
+    budget: int,
 ) -> dict[str, Any]:
     from kvasync._stats import percentile
 
     per_engine = []
     for engine in run.engines:
         done = [r for r in engine.records if r.error is None]
-        waited, for_memory = queue_seconds(engine, max_batch)
+        waited, for_compute, for_memory = queue_seconds(engine, max_batch)
         memory = [b for _, b in engine.memory] or [0]
         times = [t for t, _ in engine.memory] or [0.0]
         span = times[-1] - times[0]
@@ -850,6 +1036,10 @@ def summarize_variant(
                 "moved blocks": int(engine.extra.get("moved blocks", 0)),
                 "queue s": waited,
                 "memory queue s": for_memory,
+                "compute queue s": for_compute,
+                "TPOT misses": sum(
+                    1 for r in done if r.tpot is not None and r.tpot > regime.slo_tpot_s
+                ),
                 "ttft": [r.ttft for r in done if r.ttft is not None],
                 "tpot": [r.tpot for r in done if r.tpot is not None],
                 "KV peak MiB": max(memory) / MIB,
@@ -862,6 +1052,8 @@ def summarize_variant(
     tpot = [x for e in per_engine for x in e["tpot"]]
     reclaim, unresolved = reclaim_times(run.ledger, page_bytes)
     blocked = blocked_spans(run.ledger)
+    turns = limit_turns(run.ledger, budget)
+    closest = [m["closest turns s"] for m in turns.values() if m["turns"] > 1]
     tokens_s, step_ms, crest_batch = crest(run)
     busy = [b for _, b in run.gpu_busy]
     total_within = sum(e["within SLO"] for e in per_engine)
@@ -876,6 +1068,8 @@ def summarize_variant(
         "preemptions": sum(e["preemptions"] for e in per_engine),
         "queue s": sum(e["queue s"] for e in per_engine),
         "memory queue s": sum(e["memory queue s"] for e in per_engine),
+        "compute queue s": sum(e["compute queue s"] for e in per_engine),
+        "TPOT misses": sum(e["TPOT misses"] for e in per_engine),
         "goodput": total_within / arrivals_s,
         "TTFT p50 s": percentile(ttft, 50) if ttft else float("nan"),
         "TTFT p99 s": percentile(ttft, 99) if ttft else float("nan"),
@@ -892,6 +1086,11 @@ def summarize_variant(
         "blocked spans": len(blocked),
         "blocked p50 s": percentile(blocked, 50) if blocked else float("nan"),
         "blocked max s": max(blocked) if blocked else float("nan"),
+        "limit changes/s max": max((m["changes per s max"] for m in turns.values()), default=0),
+        "limit turns/s max": max((m["turns per s max"] for m in turns.values()), default=0),
+        "limit closest turns ms": 1e3 * min(closest) if closest else float("nan"),
+        "limit bound broken by": sorted(name for name, m in turns.items() if m["broken"]),
+        "limit turns": turns,
         "splits MiB": [None if e.limit_bytes is None else e.limit_bytes / MIB for e in run.engines],
     }
 
@@ -914,12 +1113,13 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
         "done / requests",
         "gave up (cut)",
         "preempt.",
-        "queued s (for memory)",
+        "queued s (memory / compute)",
         "TTFT p50 / p99 s",
         "TPOT p50 ms",
         "KV mean MiB",
         "crest step ms (batch)",
         "reclaim p50 / max ms (n)",
+        "limit turns/s max (closest ms)",
         "split MiB",
     ]
     rows = []
@@ -936,7 +1136,7 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
                 f"{s['done']} / {s['requests']}",
                 f"{s['gave up']} ({s['cut']})" if s["cut"] else str(s["gave up"]),
                 str(s["preemptions"]),
-                f"{s['queue s']:.0f} ({s['memory queue s']:.0f})",
+                f"{s['queue s']:.0f} ({s['memory queue s']:.0f} / {s['compute queue s']:.0f})",
                 f"{fmt(s['TTFT p50 s'])} / {fmt(s['TTFT p99 s'])}",
                 fmt(s["TPOT p50 ms"]),
                 f"{s['KV mean MiB']:.0f}",
@@ -944,6 +1144,11 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
                 (
                     f"{fmt(s['reclaim p50 ms'])} / {fmt(s['reclaim max ms'])} ({s['reclaims']})"
                     if s["reclaims"] or s["reclaims unresolved"]
+                    else "-"
+                ),
+                (
+                    f"{s['limit turns/s max']:.0f} ({fmt(s['limit closest turns ms'])})"
+                    if s["splits MiB"][0] is None
                     else "-"
                 ),
                 "shared" if splits[0] is None else " / ".join(f"{m:.4g}" for m in splits),
@@ -1100,8 +1305,13 @@ class Case:
         self.floor_pages = -(-longest // geo.tokens_per_page) + 1
 
     def config(self, index: int, **changes: Any) -> dict[str, Any]:
+        # Every variant's engines hold admission above the step target (compute counts too).
         return self.harness.base_config(
-            self.regime.max_batch, self.regime.max_batch_tokens, name=f"e{index}", **changes
+            self.regime.max_batch,
+            self.regime.max_batch_tokens,
+            name=f"e{index}",
+            step_target=self.regime.step_target_frac * self.regime.slo_tpot_s,
+            **changes,
         )
 
     def run_static(self, label: str, pages: list[int]) -> dict[str, Any]:
@@ -1126,7 +1336,12 @@ class Case:
         )
         self.runs.append(run)
         summary = summarize_variant(
-            run, self.regime, self.regime.max_batch, self.geo.page_bytes, self.duration
+            run,
+            self.regime,
+            self.regime.max_batch,
+            self.geo.page_bytes,
+            self.duration,
+            self.budget,
         )
         self.summaries.append(summary)
         print(
@@ -1164,6 +1379,55 @@ class Case:
             seen.append(pages)
             candidates.append((f"static by {label}", pages))
         return candidates
+
+
+def regime_text(case: Case, capacity: float | None, step_full: float | None) -> str:
+    """The regime check of one case, from its static 1/N and shared runs: whether memory bound
+    (static queued for memory) while compute did not (shared met the TPOT SLO and did not hold
+    admission for compute); and the limits' oscillation against the policy's bound."""
+    static, shared = case.summaries[0], case.summaries[1]
+    slo_ms = 1e3 * case.regime.slo_tpot_s
+    hot_memory = max(e["memory queue s"] for e in static["engines"])
+    memory_binds = hot_memory >= case.duration  # one request or more waited all along
+    tpot_misses = shared["TPOT misses"] / max(1, shared["done"])
+    compute_held = shared["compute queue s"] >= max(case.duration, 0.5 * shared["queue s"])
+    compute_binds = tpot_misses > 0.1 or compute_held or shared["crest step ms"] > slo_ms
+    verdict = "yes" if memory_binds and not compute_binds else "NO"
+    crest = ""
+    if capacity is not None and step_full is not None:
+        crest = (
+            f" At the crest (busiest second, all engines) the shared run produced "
+            f"{shared['crest tok/s']:.0f} decode tok/s ({shared['crest tok/s'] / capacity:.0%} "
+            f"of one engine alone at full batch, {1e3 * step_full:.1f} ms a step)."
+        )
+    text = (
+        f"**Regime: memory-bound: {verdict}.** Memory "
+        f"{'binds' if memory_binds else 'does not bind'}: static 1/N's busiest engine waited "
+        f"{hot_memory:.0f} request-s for memory with its batch not full and compute not holding "
+        f"admission ({static['preemptions']} preemptions, {static['gave up']} clients gave up; "
+        f"binding: at least one request waiting all along, {case.duration:.0f}). Compute "
+        f"{'binds' if compute_binds else 'does not bind'}: in the shared run "
+        f"{tpot_misses:.0%} of the finished requests missed the TPOT SLO (binding: over 10%), "
+        f"admission was held for compute {shared['compute queue s']:.0f} request-s of "
+        f"{shared['queue s']:.0f} queued, the crest's steps took {fmt(shared['crest step ms'])} ms "
+        f"(batch {shared['crest batch']:.0f}; SLO {slo_ms:.0f} ms). GPU busy (NVML) max "
+        f"{fmt(shared['GPU busy max %'])}% shared, {fmt(static['GPU busy max %'])}% static (a "
+        f"kernel running, not the device full).{crest} Shared: members blocked on the share's "
+        f"budget {shared['blocked spans']} times, p50 {fmt(shared['blocked p50 s'])} s, max "
+        f"{fmt(shared['blocked max s'])} s.\n"
+    )
+    broken = shared["limit bound broken by"]
+    text += (
+        f"\n**Limit oscillation** (shared; each member's limit in force, from the ledger every "
+        f"{1e3 * LEDGER_SAMPLE_S:.0f} ms): at most {shared['limit changes/s max']:.0f} direction "
+        f"changes and {shared['limit turns/s max']:.0f} fall->rise turns in any second; the "
+        f"closest two turns at most {fmt(shared['limit closest turns ms'])} ms apart. The "
+        f"policy's bound (Note [Fair share under pressure]: the {1e3 * REGROW_HOLD_S:.0f} ms "
+        f"regrow hold, one fall->rise turn per {1e3 * REGROW_HOLD_S:.0f} ms, at most "
+        f"{math.ceil(1 / REGROW_HOLD_S)} in a second): "
+        + (f"**broken** by {', '.join(broken)}.\n" if broken else "kept.\n")
+    )
+    return text
 
 
 def goal_rows(memory4: Case | None, compute: Case | None) -> list[list[str]]:
@@ -1235,9 +1499,16 @@ def main() -> None:
     parser.add_argument(
         "--compute-cap",
         type=float,
-        default=0.5,
-        help="the most of the device's compute the memory-bound traces may load (0..1)",
+        default=None,
+        help="the hot engine's co-located step may reach this share of the TPOT SLO (0..1); "
+        "the hot batch is lowered until it does (default: the engines' step target)",
     )
+    parser.add_argument("--tpot-slo-ms", type=float, default=None, help="the preset's TPOT SLO")
+    parser.add_argument(
+        "--output-range", type=int, nargs=2, default=None, help="output tokens, low high"
+    )
+    parser.add_argument("--hot-fill", type=float, default=None, help="0..1 of the budget")
+    parser.add_argument("--cold-weight", type=float, default=None, help="of the hot rate")
     parser.add_argument(
         "--best-static",
         nargs="*",
@@ -1259,6 +1530,18 @@ def main() -> None:
             "(kvasync.integrations.vllm); this harness runs kvasync.serve engines only"
         )
     regime = REGIMES[args.preset]
+    changes: dict[str, Any] = {}
+    if args.tpot_slo_ms is not None:
+        changes["slo_tpot_s"] = args.tpot_slo_ms / 1e3
+    if args.output_range is not None:
+        changes["output_range"] = tuple(args.output_range)
+    if args.hot_fill is not None:
+        changes["hot_fill"] = args.hot_fill
+    if args.cold_weight is not None:
+        changes["cold_weight"] = args.cold_weight
+    regime = dataclasses.replace(regime, **changes)
+    if args.compute_cap is None:
+        args.compute_cap = regime.step_target_frac
     budget_mib = args.budget_mib or regime.budget_mib
     geo = geometry(args.preset, args.device)
     budget = (budget_mib * MIB // geo.page_bytes) * geo.page_bytes
@@ -1282,41 +1565,67 @@ def main() -> None:
         f"{regime.give_up_factor * regime.slo_ttft_s:.0f} s without a token\n"
     )
     try:
-        # 1. Calibration, before any trace exists: decode step time alone at full batch and at
-        # the batch the hot engine's working set needs.
+        # 1. Calibration, before any trace exists (the docstring's arithmetic, measured).
         rng = np.random.default_rng([args.seed, 1000])
         lengths = [_lengths(rng, regime) for _ in range(20000)]
         mean_prompt = float(np.mean([p for p, _ in lengths]))
         mean_output = float(np.mean([o for _, o in lengths]))
         held_tokens = mean_prompt + mean_output / 2  # a request's mean KV over its life
+        n_max = max(args.engines)
         hot_batch = max(1, round(regime.hot_fill * budget / (held_tokens * geo.token_bytes)))
         hot_batch = min(hot_batch, regime.max_batch)
+        cold_batch = max(1, round(regime.cold_weight * hot_batch))
+        step_target = regime.step_target_frac * regime.slo_tpot_s
         harness.pool(max([*args.engines, 2]))  # every worker imports torch meanwhile
+        emit(planned_wall(args, regime, n_max))
 
-        def burst(batch: int) -> tuple[int, int, int]:
+        def burst(batch: int, decode_steps: int = 40) -> tuple[int, int, int]:
             # Outputs outlast the prefills (max_batch_tokens a step), so that every request of
-            # the burst decodes together for 40 steps.
-            output = 40 + math.ceil(batch * mean_prompt / regime.max_batch_tokens)
+            # the burst decodes together for decode_steps steps.
+            output = decode_steps + math.ceil(batch * mean_prompt / regime.max_batch_tokens)
             return batch, int(mean_prompt), output
 
-        calibration = harness.calibrate(regime, [burst(regime.max_batch), burst(hot_batch)])[
-            "bursts"
-        ]
-        step_full, step_hot = calibration[0]["step_s"], calibration[1]["step_s"]
+        alone = harness.calibrate(
+            regime, [burst(regime.max_batch), burst(hot_batch), burst(cold_batch)]
+        )["bursts"]
+        step_full, step_hot, step_cold = (b["step_s"] for b in alone)
         capacity = regime.max_batch / step_full  # decode tokens/s of one engine at full batch
+        prefill_tps = alone[0]["prefill_tok_s"]
+        # The hot engine's step with N - 1 cold engines stepping beside it on the device: the
+        # cold bursts run 3x as many steps, so they outlast the hot one's.
+        together = harness.calibrate_together(
+            regime, [[burst(hot_batch)]] + [[burst(cold_batch, 120)]] * (n_max - 1)
+        )
+        step_coloc = together[0]["bursts"][0]["step_s"]
+        # (at least 1: a faster step beside other engines is noise; a loaded CPU gives it)
+        contention = max(1.0, step_coloc / step_hot)
         prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
-        # Little's law: the rate that keeps hot_batch requests in flight for their lifetime...
-        little = hot_batch / (step_hot * (prefill_steps + mean_output))
-        # ... but compute must not bind: the GPU time a request costs (its prefill at the
-        # measured prefill rate, its decode steps shared by the batch) times the rate of all
-        # engines (the hot one and the cold ones) stays within compute_cap of the device.
-        prefill_tps = calibration[0]["prefill_tok_s"]
-        gpu_s = mean_prompt / prefill_tps + mean_output * step_hot / hot_batch
-        engines_load = 1 + (max(args.engines) - 1) * regime.cold_weight
-        rate_cap = args.compute_cap / (gpu_s * engines_load) if gpu_s > 0 else math.inf
-        rate0 = min(little, rate_cap)
-        # ... checked by replaying it for a while on one engine alone, and scaled by the KV it
-        # held once steady against the target (the estimate leaves out prefill and admission).
+        # Little's law: the rate that keeps hot_batch requests in flight for their lifetime.
+        little = hot_batch / (step_coloc * (prefill_steps + mean_output))
+
+        def prefill_load(rate: float) -> float:
+            # The device's share spent on all engines' prefills at that hot rate.
+            return rate * (1 + (n_max - 1) * regime.cold_weight) * mean_prompt / prefill_tps
+
+        def step_at(batch: float, rate: float) -> float:
+            # The hot engine's step co-located, at a batch: the measured steps alone (linear
+            # between the calibrated batches), times the contention measured at hot_batch,
+            # stretched by the prefills (steps carry them).
+            points = sorted((b["batch"], b["step_s"]) for b in alone)
+            alone_s = float(np.interp(batch, [b for b, _ in points], [s for _, s in points]))
+            return alone_s * contention / max(0.05, 1 - prefill_load(rate))
+
+        # Compute must not bind: the hot engine's co-located step at its batch stays within the
+        # step target (compute_cap of the TPOT SLO; the engines hold admission above it). Where
+        # it does not, the batch (and the working set with it) is lowered until it does.
+        cap_s = args.compute_cap * regime.slo_tpot_s
+        batch = hot_batch
+        while batch > 1 and step_at(batch, little * batch / hot_batch) > cap_s:
+            batch -= 1
+        capped = batch < hot_batch
+        rate0 = little * batch / hot_batch
+        # Checked by replaying that rate on one engine alone; the lifetime it measured (with the
+        # prefills and admission in it) replaces the estimate, scaled by the contention.
         stream = memory_bound_traces(
             dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
             1,
@@ -1325,14 +1634,16 @@ def main() -> None:
             args.seed + 2000,
         )[0]
         measured = harness.calibrate(regime, [], stream)["stream"]
-        held0 = measured["mean_used_blocks"] * geo.block_size * geo.token_bytes
-        target = regime.hot_fill * budget
-        # NOTE: the scale is kept within [1/4, 2]: far outside it the engine was not in the
+        mean_life = float(measured["mean_lifetime_s"]) * contention
+        held_est = rate0 * mean_life * held_tokens * geo.token_bytes  # Little, measured life
+        target = regime.hot_fill * budget * batch / hot_batch
+        # NOTE: the scale is kept within [1/2, 2]: far outside it the engine was not in the
         # regime the estimate assumes (saturated, or nearly idle), and held KV is not linear.
-        scale = min(2.0, max(0.25, target / held0)) if held0 > 0 else 1.0
-        hot_rate = min(rate0 * scale, rate_cap)
-        capped = hot_rate < rate0 * scale
-        mean_life = float(measured["mean_lifetime_s"])
+        scale = min(2.0, max(0.5, target / held_est)) if held_est > 0 else 1.0
+        while scale > 1.0 and step_at(batch * scale, rate0 * scale) > cap_s:
+            scale = max(1.0, scale - 0.02)  # more KV, not more than compute carries
+        hot_rate = rate0 * scale
+        working_set = hot_rate * mean_life * held_tokens * geo.token_bytes
 
         def lifetime(r: TraceRequest) -> float:
             return mean_life * (prefill_steps + r.max_tokens) / (prefill_steps + mean_output)
@@ -1340,41 +1651,62 @@ def main() -> None:
         emit(
             f"**Calibration** (one engine alone): decode step {1e3 * step_full:.1f} ms at full "
             f"batch ({regime.max_batch}, {capacity:.0f} tok/s), {1e3 * step_hot:.1f} ms at "
-            f"batch {hot_batch} (prompts of {mean_prompt:.0f} tokens).\n\n"
+            f"batch {hot_batch}, {1e3 * step_cold:.1f} ms at batch {cold_batch} (prompts of "
+            f"{mean_prompt:.0f} tokens); prefill {prefill_tps:.0f} tok/s. With {n_max - 1} "
+            f"engines stepping at batch {cold_batch} beside it: {1e3 * step_coloc:.1f} ms at "
+            f"batch {hot_batch} (x{contention:.2f}).\n\n"
             f"**Memory-bound trace, from first principles**: a request holds {held_tokens:.0f} "
             f"tokens ({held_tokens * geo.token_bytes / MIB:.1f} MiB) on average; the hot "
             f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
-            f"({target / MIB:.0f} MiB, {hot_batch} requests), more than a 1/N partition. "
-            f"Little's law with the step time at that batch: {little:.2f} req/s (within the "
-            f"compute cap: {rate0:.2f}). Replayed for "
-            f"{args.calibration_s:.0f} s on one engine alone, that rate held "
-            f"{held0 / MIB:.0f} MiB once steady (requests lived {mean_life:.2f} s; estimated "
-            f"{step_hot * (prefill_steps + mean_output):.2f} s), so the hot "
-            f"rate is {rate0:.2f} x {scale:.3g} (target / held, within [1/4, 2]) = {hot_rate:.2f} "
-            f"req/s; cold engines get {regime.cold_weight:.0%} of it; bursts x"
-            f"{regime.burst_factor} for {regime.burst_s} s, {regime.bursts_per_min:g}/min per "
-            f"engine.\n\n"
-            f"**Compute check**: prefill {prefill_tps:.0f} tok/s; a request costs {gpu_s:.3f} "
-            f"GPU-s (prefill + its share of the decode steps); the engines' load at the hot "
-            f"rate is {hot_rate * gpu_s * engines_load:.0%} of the device (cap "
-            f"{args.compute_cap:.0%}; Little's law alone gave {little:.2f} req/s)"
+            f"({regime.hot_fill * budget / MIB:.0f} MiB, {hot_batch} requests), "
+            f"{regime.hot_fill * n_max:.1f}x a 1/{n_max} partition. Little's law with the "
+            f"co-located step: {little:.2f} req/s. Replayed for {args.calibration_s:.0f} s on "
+            f"one engine alone at {rate0:.2f} req/s, requests lived "
+            f"{measured['mean_lifetime_s']:.2f} s (estimated "
+            f"{step_hot * (prefill_steps + mean_output):.2f} s alone), {mean_life:.2f} s "
+            f"co-located; so the hot rate is {rate0:.2f} x {scale:.3g} (target / held, within "
+            f"[1/2, 2]) = {hot_rate:.2f} req/s, a working set of {working_set / MIB:.0f} MiB; "
+            f"cold engines get {regime.cold_weight:.0%} of it; bursts x{regime.burst_factor} "
+            f"for {regime.burst_s} s, {regime.bursts_per_min:g}/min per engine.\n\n"
+            f"**Compute check**: the hot engine's co-located step at batch {batch}, with the "
+            f"prefills ({prefill_load(hot_rate):.1%} of the device), is "
+            f"{1e3 * step_at(batch * scale, hot_rate):.1f} ms against a cap of "
+            f"{1e3 * cap_s:.0f} ms ({args.compute_cap:.0%} of the TPOT SLO; the engines hold "
+            f"admission above {1e3 * step_target:.0f} ms)"
             + (
-                f". **Capped by compute**: at {hot_rate:.2f} req/s the hot working set is below "
-                f"its target, so these request shapes cannot make memory bind on this engine "
-                f"(longer outputs, shorter prompts would).\n"
-                if capped or rate0 < little
-                else ".\n"
+                f". **Capped by compute**: at batch {batch} (not {hot_batch}) the hot working "
+                f"set is below its target, so these request shapes cannot make memory bind on "
+                f"this device (shorter steps or more KV per request would).\n"
+                if capped
+                else ": compute does not bind at the hot working set.\n"
             )
         )
+        paper = [
+            (n, *paper_within_slo(regime, n, args.duration, hot_rate, mean_life))
+            for n in args.engines
+        ]
+        emit(
+            "**On paper** (the docstring's arithmetic with these figures; bursts left out): "
+            + "; ".join(
+                f"N={n}: static 1/N {static:.0f}, shared {shared:.0f} requests within SLO "
+                f"({shared / max(1.0, static):.2f}x)"
+                for n, static, shared in paper
+            )
+            + ".\n"
+        )
         summary_json["calibration"] = {
-            "bursts": calibration,
+            "alone": alone,
+            "together": together,
             "hot_batch": hot_batch,
-            "rate0": rate0,
+            "cold_batch": cold_batch,
+            "capped_batch": batch,
             "little_rate": little,
-            "rate_cap": rate_cap,
+            "rate0": rate0,
             "prefill_tok_s": prefill_tps,
             "stream": measured,
+            "lifetime_s": mean_life,
             "hot_rate": hot_rate,
+            "paper": paper,
         }
         memory4: Case | None = None
         compute: Case | None = None
@@ -1388,7 +1720,9 @@ def main() -> None:
         for case_name, n in plan:
             if case_name == "memory":
                 traces = memory_bound_traces(regime, n, args.duration, hot_rate, args.seed)
-                phases: list[tuple[float, int]] | None = hot_schedule(n, args.duration)
+                phases: list[tuple[float, int]] | None = hot_schedule(
+                    n, args.duration, regime.hot_phases
+                )
                 case = Case(
                     harness, "memory", n, traces, regime, budget, geo, args.duration, phases
                 )
@@ -1438,24 +1772,7 @@ def main() -> None:
                     case.run_static(label, pages)
             baseline = case.summaries[0]
             emit(variant_table(case.summaries, baseline) + "\n")
-            static = case.summaries[0]
-            hot_queue = max(e["memory queue s"] for e in static["engines"])
-            shared_summary = case.summaries[1]
-            emit(
-                f"Regime: at the crest (busiest second, all engines) the shared run produced "
-                f"{shared_summary['crest tok/s']:.0f} decode tok/s with steps of "
-                f"{fmt(shared_summary['crest step ms'])} ms (largest batch "
-                f"{shared_summary['crest batch']:.0f}); one engine alone at full batch: "
-                f"{capacity:.0f} tok/s, {1e3 * step_full:.1f} ms "
-                f"({shared_summary['crest tok/s'] / capacity:.0%} of it). GPU busy (NVML) max "
-                f"{fmt(shared_summary['GPU busy max %'])}% shared, "
-                f"{fmt(static['GPU busy max %'])}% static. Shared: members blocked on the share's "
-                f"budget {shared_summary['blocked spans']} times, p50 "
-                f"{fmt(shared_summary['blocked p50 s'])} s, max "
-                f"{fmt(shared_summary['blocked max s'])} s. Static 1/N: {static['preemptions']} "
-                f"preemptions, {static['memory queue s']:.0f} request-seconds queued for memory "
-                f"(the worst engine {hot_queue:.0f}), {static['gave up']} clients gave up.\n"
-            )
+            emit(regime_text(case, capacity, step_full) + "\n")
             plot = plot_case(
                 case.runs,
                 out / f"colocate_many_{args.preset}_{case_name}_N{n}.png",
