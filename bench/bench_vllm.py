@@ -1,28 +1,75 @@
-"""vLLM 0.26 with kvasync's plugin beside stock vLLM, in one run: outputs, throughput, start time,
-and the KV memory over time.
+"""vLLM 0.26 with kvasync's plugin against stock vLLM, on one GPU, in one call: outputs, throughput,
+start time, memory over time, seed A, a neighbour's release, two engines on one budget.
 
-Each engine runs in its own process (``--engine stock|kvasync``), in order stock, kvasync, stock
-again (the first start compiles Triton kernels into the on-disk cache; the later ones find them
-there, so the start times to compare are the kvasync run's and the second stock run's). Every
-engine serves the same greedy workload of token-id prompts on a Llama-architecture model with
-random weights (no weights can be fetched; both engines get the same seed):
+Every engine is its own process (``--child``, bench/_vllm_child.py) on a Llama-architecture 1B
+config with random weights (no weights can be fetched; every engine gets the same seed), greedy,
+token-id prompts that share no prefix, ``enforce_eager``, TRITON_ATTN, bf16,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``. ``--executor uni|mp`` is vLLM's
+``distributed_executor_backend`` for every engine ("mp": the worker in its own process). The
+driver holds a deadline on every engine start, request batch and shutdown (bench/_vllm_procs.py):
+an engine that hangs is reported as a hang with its elapsed time and killed, never waited out.
 
-- ``warmup``: 32 requests of 128 + 16 (the first kernels' Triton JIT; not reported);
-- ``burst``: 256 requests of 128 prompt and 128 output tokens;
-- ``long``: 64 requests of 1024 prompt and 128 output tokens (more KV memory);
-- ``idle``: 3 s with no requests, then ``trickle``: 8 requests of 128 + 32.
+Modes (``--mode``, several allowed; ``--all`` runs the four in order within ``--budget-s``):
 
-The device's used memory (``torch.cuda.mem_get_info``) is sampled every 50 ms in both, and the
-kvasync allocator's mapped bytes in the kvasync run. Output token ids of both engines are
-compared request by request.
+``identity`` (default)
+    Engines one after another: stock, kvasync, stock, kvasync (``--runs``), and with
+    ``--with-mp`` kvasync on the multiprocess executor as a third variant. Each: warm-up (every
+    shape the rounds use), ``--rounds`` equal rounds of 256 requests of 512 + 128 tokens (output
+    tok/s per round; each output's digest), 2 s idle, a trickle of 8. Reports the outputs that are
+    token-identical to the first stock run's, each run's rounds and the spread (max-min over mean)
+    of stock runs and of kvasync runs, start times, the KV memory over time (plot). The next
+    engine imports vLLM while the current one idles, so a run costs its start plus ~15 s.
+    kvasync: ``KVASYNC_MEMORY_LIMIT=--limit`` (38GiB, stock's 0.3 of an H200),
+    ``KVASYNC_PREFIX_CACHE=0``.
+``seed-a``
+    A first kvasync engine serves bursts (192 requests of 1024 + 64 tokens, then 32 short ones,
+    0.3 s idle between: it maps and unmaps) in one share (``KVASYNC_SHARE`` +
+    ``KVASYNC_DEVICE_BUDGET=--seed-budget``, 8GiB: its bursts alone reach about that, so a
+    second engine's pages come from what the first gives back). Beside it a second kvasync engine
+    is started ``--starts`` (10) times: start, 8 requests, shut down. Reports each start's time,
+    hangs (a start has ``--start-deadline-s``), that the first kept serving (its batches during
+    each start) and the share's mapped memory over time (plot).
+``release``
+    The stock failure of issue 19: a second engine starts while the first finishes and releases
+    its memory. The second's log is watched; once it says it is loading the model (its memory
+    snapshot is taken by then, the profile that compares free memory against it comes next) the
+    first leaves at once. Stock (both ``gpu_memory_utilization=0.35``) is the baseline, kvasync
+    (both in one share, ``--release-budget``) the subject, ``--attempts`` (2) each. Reports starts
+    that succeeded and the errors seen, with when the release landed.
+``two``
+    Two engines at once, ``--two-budget`` (6GiB) of KV between them, on a trace where KV memory
+    binds: 4 bursts alternating between the engines (96 requests of 1536 + 256 tokens within 1 s,
+    every 6 s), timed arrivals through vLLM's engine loop so each request's TTFT is seen.
+    Variants (``--two-variants``): ``shared`` (kvasync, one share, the budget between them),
+    ``static-stock`` (stock, ``kv_cache_memory_bytes`` = half each), ``static-kvasync`` (kvasync,
+    one share, ``KVASYNC_MEMORY_LIMIT`` = half each). Reports requests within ``--slo-s`` (2 s)
+    TTFT, TTFT percentiles, output tok/s, preemptions (vLLM's ``vllm:num_preemptions``), and the
+    KV memory of each engine over time (plot).
+    Why memory binds: a request holds 1792 tokens x 32 KiB = 56 MiB of KV at its end, so a 3 GiB
+    half holds ~54 of a burst's 96 and the rest wait a whole request lifetime (256 decode steps,
+    several seconds), while one engine alone in the shared 6 GiB holds them all. The compute
+    stays well below the GPU's: a burst's prefill is 147k tokens (~1 s on an H200 for a 1B
+    model), decode batches are at most 128 (``max_num_seqs``), where the GPU is launch-bound.
+``colocate``
+    A second engine beside a stock engine at ``gpu_memory_utilization=0.85`` that keeps serving:
+    stock at 0.3, then kvasync with ``--limit 8GiB`` (the earlier RESULTS table).
 
-``--colocate`` instead starts a stock engine at ``gpu_memory_utilization=0.85`` that keeps
-serving, and then, beside it, a second engine: stock at 0.3, then kvasync with ``--limit``.
+Expected wall time on an H200 with vLLM's Triton kernels in the on-disk cache (a cold cache adds
+~45 s to the first engine): identity with mp ~150 s, seed-a ~130 s, release ~90 s, two ~45 s a
+variant. ``--all`` (identity with mp, seed-a, release, two: shared and static-stock, then
+static-kvasync if time is left) stops starting steps when ``--budget-s`` (520) would be passed,
+and says what it did not run. The reference allocator (kvcached) is not run here: building it on
+the device is not scripted in bench/.
 
 Usage (on the GPU machine, vLLM importable)::
 
-    python3 bench/bench_vllm.py --out OUTDIR [--limit 38GiB]
-    python3 bench/bench_vllm.py --out OUTDIR --colocate --limit 8GiB
+    PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/bench_vllm.py --all --out OUT
+    python3 bench/bench_vllm.py --out OUT [--mode identity] [--executor mp] [--with-mp]
+    python3 bench/bench_vllm.py --out OUT --mode seed-a release two
+    python3 bench/bench_vllm.py --report OUT   # the tables and plots again, from OUT's JSON
+
+Output: markdown tables on stdout, ``OUT/summary.json`` (every mode's data, written after each
+mode), ``OUT/*.png``, and each engine's spec, events, log and result under ``OUT/<mode>/``.
 """
 
 from __future__ import annotations
@@ -31,317 +78,564 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
-MODEL_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "vocab_size": 128256,
-    "hidden_act": "silu",
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-# Bytes of one 16-token block across all layers: K and V, 8 heads of 64, bf16, 16 layers.
-BLOCK_BYTES = 2 * 16 * 8 * 64 * 2 * 16
-PHASES = (
-    ("warmup", 32, 128, 16),
-    ("burst", 256, 128, 128),
-    ("long", 64, 1024, 128),
-    ("trickle", 8, 128, 32),
+import _vllm_report as report
+from _vllm_child import AFTER_SNAPSHOT, alternating_trace, write_model_config
+from _vllm_procs import (
+    Clock,
+    Died,
+    Engine,
+    LedgerSampler,
+    OutOfTime,
+    Stalled,
+    kill_all,
+    write_atomically,
 )
-SAMPLE_PERIOD = 0.05
-IDLE_SECONDS = 3.0
+
+MODES = ("identity", "seed-a", "release", "two", "colocate")
+GIB = 2**30
+FAILURES = (Stalled, Died, OutOfTime)
 
 
-def prompts(count: int, length: int, salt: int) -> list[list[int]]:
-    return [[(7 * i + 13 * salt + j) % 50000 + 10 for j in range(length)] for i in range(count)]
+def parse_gib(text: str) -> int:
+    from kvasync._sizes import parse_size
+
+    return parse_size(text)
 
 
-class Sampler(threading.Thread):
-    """Samples the device's used memory (and kvasync's mapped bytes) until stopped."""
+class Run:
+    """What every mode needs: the arguments, the clock, the model, a base spec."""
 
-    def __init__(self, mapped: Any) -> None:
-        super().__init__(daemon=True)
-        self.mapped = mapped
-        self.samples: list[tuple[float, float, float]] = []
-        self.phase = "start"
-        self.marks: list[tuple[float, str]] = []
-        self.stop_event = threading.Event()
-        self.t0 = time.monotonic()
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.clock = Clock(args.budget_s)
+        self.out: pathlib.Path = args.out
+        self.model_dir = write_model_config(pathlib.Path.home() / "llama-1b-config")
+        self.tag = f"{os.getpid()}"
 
-    def mark(self, phase: str) -> None:
-        self.marks.append((time.monotonic() - self.t0, phase))
-
-    def run(self) -> None:
-        import torch
-
-        while not self.stop_event.wait(SAMPLE_PERIOD):
-            free, total = torch.cuda.mem_get_info()
-            mapped = self.mapped() if self.mapped is not None else float("nan")
-            self.samples.append((time.monotonic() - self.t0, (total - free) / 2**30, mapped))
-
-
-def run_engine(
-    engine: str,
-    out: pathlib.Path,
-    utilization: float = 0.3,
-    hold: float = 0.0,
-    ready: pathlib.Path | None = None,
-) -> None:
-    """One engine's run (a child process); writes ``out``. With ``hold``, it signals ``ready``
-    once up and serves bursts for ``hold`` seconds instead of the phases (a busy neighbour)."""
-    model_dir = pathlib.Path.home() / "llama-1b-config"
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(MODEL_CONFIG))
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    started = time.monotonic()
-    llm = LLM(
-        model=str(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        gpu_memory_utilization=utilization,
-        max_model_len=2048,
-        dtype="bfloat16",
-        seed=0,
-        attention_config={"backend": "TRITON_ATTN"},
-    )
-    start_s = time.monotonic() - started
-    if hold:
-        out.write_text(json.dumps({"engine": engine, "start_s": start_s}))
-        if ready is not None:
-            ready.write_text("up")
-        params = SamplingParams(max_tokens=128, temperature=0, detokenize=False, ignore_eos=True)
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(256, 512, 99)]
-        due = time.monotonic() + hold
-        while time.monotonic() < due:
-            llm.generate(batch, params, use_tqdm=False)
-        return
-    mapped = None
-    kv_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    if engine == "kvasync":
-        from kvasync.integrations.vllm._engine import current_engine
-
-        registered = current_engine()
-        if registered is None:
-            raise SystemExit("the kvasync plugin did not register an allocator in this process")
-        kv = registered.allocator
-        mapped = lambda: kv.stats().mapped_bytes / 2**30  # noqa: E731
-    sampler = Sampler(mapped)
-    sampler.start()
-    result: dict[str, Any] = {
-        "engine": engine,
-        "start_s": start_s,
-        "kv_blocks": kv_blocks,
-        "kv_capacity_gib": (kv_blocks or 0) * BLOCK_BYTES / 2**30,
-        "phases": {},
-        "tokens": {},
-    }
-    for salt, (phase, count, length, output) in enumerate(PHASES):
-        if phase == "trickle":
-            sampler.mark("idle")
-            time.sleep(IDLE_SECONDS)
-        sampler.mark(phase)
-        params = SamplingParams(max_tokens=output, temperature=0, detokenize=False, ignore_eos=True)
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(count, length, salt)]
-        t = time.monotonic()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        seconds = time.monotonic() - t
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        result["phases"][phase] = {
-            "requests": count,
-            "seconds": seconds,
-            "tok_s": produced / seconds,
+    def spec(self, kind: str, task: str, task_args: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        executor = extra.pop("executor", self.args.executor)
+        return {
+            "kind": kind,
+            "task": task,
+            "args": task_args,
+            "model_dir": str(self.model_dir),
+            "executor": executor,
+            "utilization": extra.pop("utilization", 0.3),
+            "max_model_len": extra.pop("max_model_len", 2048),
+            **extra,
         }
-        result["tokens"][phase] = [list(o.outputs[0].token_ids) for o in outs]
-    sampler.mark("end")
-    time.sleep(1.0)
-    sampler.stop_event.set()
-    sampler.join(2.0)
-    result["samples"] = sampler.samples
-    result["marks"] = sampler.marks
-    out.write_text(json.dumps(result))
+
+    @staticmethod
+    def env(
+        kind: str,
+        name: str,
+        *,
+        limit: str | None = None,
+        share: str | None = None,
+        budget: str | None = None,
+    ) -> dict[str, str]:
+        """The plugin's configuration: none for stock (``KVASYNC_VLLM=0`` makes it inert)."""
+        if kind == "stock":
+            return {"KVASYNC_VLLM": "0"}
+        env = {"KVASYNC_NAME": name, "KVASYNC_PREFIX_CACHE": "0"}
+        if limit:
+            env["KVASYNC_MEMORY_LIMIT"] = limit
+        if share:
+            env["KVASYNC_SHARE"] = share
+        if budget:
+            env["KVASYNC_DEVICE_BUDGET"] = budget
+        return env
 
 
-def child(engine: str, out: pathlib.Path, limit: str) -> dict[str, Any]:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
-    for name in ("KVASYNC_VLLM", "KVASYNC_MEMORY_LIMIT", "KVASYNC_SHARE", "KVASYNC_DEVICE_BUDGET"):
-        env.pop(name, None)
-    if engine == "kvasync":
-        # Freed blocks go back at once (no prefix reuse across requests: the prompts share none).
-        env.update(KVASYNC_MEMORY_LIMIT=limit, KVASYNC_PREFIX_CACHE="0", KVASYNC_NAME="vllm-bench")
-    else:
-        env["KVASYNC_VLLM"] = "0"
-    command = [sys.executable, __file__, "--engine", engine, "--json", str(out)]
-    subprocess.run(command, env=env, check=True, timeout=420)
-    data: dict[str, Any] = json.loads(out.read_text())
+def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
+    """``kvasync-mp`` -> (``kvasync``, ``mp``); ``stock`` -> (``stock``, the default)."""
+    kind, _, executor = variant.partition("-")
+    if kind not in ("stock", "kvasync") or executor not in ("", "uni", "mp"):
+        raise ValueError(
+            f"an engine variant is stock or kvasync, optionally -uni or -mp: {variant}"
+        )
+    return kind, executor or default_executor
+
+
+# -- identity, throughput, start, memory -------------------------------------------------------
+
+
+def mode_identity(run: Run) -> dict[str, Any]:
+    args = run.args
+    folder = run.out / "identity"
+    variants = list(args.runs) + (["kvasync-mp"] if args.with_mp else [])
+    task_args = {
+        # Every shape the rounds use, so no round pays a kernel's first compile.
+        "warmup": [[32, 128, 16], [16, 1024, 16], [64, 512, 32]],
+        "rounds": args.rounds,
+        "round": [256, 512, 128],
+        "idle_s": 2.0,
+        "trickle": [8, 128, 32],
+    }
+
+    def spawn(index: int) -> Engine:
+        kind, executor = variant_parts(variants[index], args.executor)
+        name = f"run{index}_{variants[index]}"
+        share = f"bench-{run.tag}-{name}" if kind == "kvasync" and executor == "mp" else None
+        env = run.env(kind, f"bench-{name}", limit=args.limit, share=share)
+        return Engine(folder, name, run.spec(kind, "phases", task_args, executor=executor), env)
+
+    runs: list[dict[str, Any]] = []
+    upcoming: Engine | None = spawn(0)
+    try:
+        for index, variant in enumerate(variants):
+            engine, upcoming = upcoming, None
+            assert engine is not None
+            print(f"== identity: {engine.name}", flush=True)
+            record: dict[str, Any] = {"variant": variant, "name": engine.name}
+            try:
+                run.clock.need(40, engine.name)
+                engine.go()
+                up = engine.wait("up", run.clock.by(170 if index == 0 else 100))
+                record["start_s"] = up["start_s"]
+                engine.wait("measured", run.clock.by(60 + 30 * args.rounds))
+                if index + 1 < len(variants):
+                    upcoming = spawn(index + 1)
+                engine.wait("result", run.clock.by(30))
+                record["result"] = engine.result()
+                try:
+                    record["shutdown_s"] = engine.wait("done", run.clock.by(30))["shutdown_s"]
+                except FAILURES as error:
+                    record["shutdown_error"] = str(error)
+                engine.wait_exit(run.clock.by(15))
+            except FAILURES as error:
+                record["failure"] = str(error)
+                print(f"   {error}", flush=True)
+            finally:
+                engine.kill()
+            imported = engine.event("imported")
+            record["import_s"] = imported["seconds"] if imported else None
+            runs.append(record)
+            if upcoming is None and index + 1 < len(variants):
+                upcoming = spawn(index + 1)
+    finally:
+        kill_all([upcoming])
+    return {"variants": variants, "runs": runs, "rounds": args.rounds}
+
+
+# -- seed A ------------------------------------------------------------------------------------
+
+
+def mode_seed_a(run: Run) -> dict[str, Any]:
+    args = run.args
+    folder = run.out / "seed_a"
+    share = f"bench-{run.tag}-seeda"
+    stop, release = folder / "first.stop", folder / "first.release"
+    first_args = {
+        "batches": [[192, 1024, 64], [32, 256, 64]],
+        "gap_s": 0.3,
+        "stop": str(stop),
+        "release": str(release),
+        "max_s": 400.0,
+    }
+    env_first = run.env("kvasync", "seedA-first", share=share, budget=args.seed_budget)
+    folder.mkdir(parents=True, exist_ok=True)
+    stop.unlink(missing_ok=True)
+    release.unlink(missing_ok=True)
+    first = Engine(folder, "first", run.spec("kvasync", "serve", first_args), env_first)
+
+    def starter(k: int) -> Engine:
+        env = run.env("kvasync", f"seedA-second-{k}", share=share, budget=args.seed_budget)
+        spec = run.spec("kvasync", "starter", {"serve": [8, 256, 32]})
+        return Engine(folder, f"second{k:02d}", spec, env)
+
+    sampler = LedgerSampler(share)
+    sampler.start()
+    starts: list[dict[str, Any]] = []
+    data: dict[str, Any] = {"share": share, "budget": args.seed_budget, "starts": starts}
+    upcoming: Engine | None = starter(1)
+    try:
+        first.go()
+        try:
+            data["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
+            first.wait("batch", run.clock.by(60))
+        except FAILURES as error:
+            data["first_failure"] = str(error)
+            return data
+        hangs_in_a_row = 0
+        for k in range(1, args.starts + 1):
+            engine, upcoming = upcoming, None
+            assert engine is not None
+            record: dict[str, Any] = {"start": k}
+            starts.append(record)
+            try:
+                run.clock.need(args.start_deadline_s / 3, f"seed A start {k}")
+                engine.wait("imported", run.clock.by(90))
+            except FAILURES as error:
+                record["failure"] = f"not started: {error}"
+                engine.kill()
+                break
+            if k < args.starts:
+                upcoming = starter(k + 1)
+            record["go_wall"] = time.time()
+            engine.go()
+            print(f"== seed A: start {k}", flush=True)
+            try:
+                up = engine.wait("up", run.clock.by(args.start_deadline_s))
+                record["start_s"] = up["start_s"]
+                record["up_wall"] = up["wall"]
+                served = engine.wait("served", run.clock.by(30))
+                record["served_s"] = served["seconds"]
+                record["output_tokens"] = served["output_tokens"]
+                done = engine.wait("done", run.clock.by(30))
+                record["shutdown_s"] = done["shutdown_s"]
+                engine.wait_exit(run.clock.by(15))
+                hangs_in_a_row = 0
+            except Stalled as error:
+                record["hang"] = {"what": error.what, "elapsed_s": error.elapsed}
+                hangs_in_a_row += 1
+                print(f"   {error}", flush=True)
+            except (Died, OutOfTime) as error:
+                record["failure"] = str(error)
+                print(f"   {error}", flush=True)
+            finally:
+                engine.kill()
+                record["end_wall"] = time.time()
+            record["first_alive"] = first.alive()
+            if not first.alive():
+                data["first_failure"] = f"the first engine ended: {first.error_line()}"
+                break
+            if hangs_in_a_row >= 2:
+                data["stopped"] = "two hangs in a row"
+                break
+        stop.write_text("stop")
+        try:
+            first.wait("result", run.clock.by(60))
+        except FAILURES as error:
+            data["first_failure"] = f"did not stop: {error}"
+        data["first"] = first.result()
+        data["first_batches"] = [
+            {k: b[k] for k in ("begin", "end", "output_tokens")} for b in first.all("batch")
+        ]
+    finally:
+        kill_all([first, upcoming])
+        data["ledger"] = sampler.finish()
     return data
 
 
-def during(run: dict[str, Any], phase: str, column: int) -> tuple[float, float]:
-    """(max, last) of a sample column over ``phase``."""
-    marks = run["marks"]
-    names = [m[1] for m in marks]
-    start = marks[names.index(phase)][0]
-    later = [m[0] for m in marks if m[0] > start]
-    end = later[0] if later else float("inf")
-    values = [s[column] for s in run["samples"] if start <= s[0] < end]
-    return (max(values), values[-1]) if values else (float("nan"), float("nan"))
+# -- a neighbour's release ---------------------------------------------------------------------
 
 
-def report(runs: list[dict[str, Any]], out: pathlib.Path) -> None:
-    stock, plugin, stock_warm = runs
-    same = total = 0
-    for phase in ("burst", "long", "trickle"):
-        for a, b in zip(stock["tokens"][phase], plugin["tokens"][phase], strict=True):
-            total += 1
-            same += a == b
-    print(f"greedy outputs token-identical: {same}/{total} requests")
-    print()
-    print("| engine | start s | burst tok/s | long tok/s | trickle tok/s | KV capacity GiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for run in runs:
-        p = run["phases"]
-        print(
-            f"| {run['engine']}{' (warm)' if run is stock_warm else ''} | {run['start_s']:.1f} "
-            f"| {p['burst']['tok_s']:.0f} | {p['long']['tok_s']:.0f} | {p['trickle']['tok_s']:.0f} "
-            f"| {run['kv_capacity_gib']:.1f} |"
-        )
-    print()
-    print(
-        "| phase | stock device used GiB (max) | kvasync device used GiB (max / at end) "
-        "| kvasync mapped KV GiB (max / at end) |"
-    )
-    print("| --- | ---: | ---: | ---: |")
-    for phase in ("burst", "long", "idle", "trickle"):
-        s_max, _ = during(stock, phase, 1)
-        k_max, k_end = during(plugin, phase, 1)
-        m_max, m_end = during(plugin, phase, 2)
-        print(f"| {phase} | {s_max:.2f} | {k_max:.2f} / {k_end:.2f} | {m_max:.2f} / {m_end:.2f} |")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for run, label in ((stock, "stock: device used"), (plugin, "kvasync: device used")):
-        ax.plot([s[0] for s in run["samples"]], [s[1] for s in run["samples"]], label=label)
-    ax.plot(
-        [s[0] for s in plugin["samples"]],
-        [s[2] for s in plugin["samples"]],
-        label="kvasync: mapped KV",
-    )
-    for t, phase in plugin["marks"]:
-        ax.axvline(t, color="grey", lw=0.5)
-        ax.text(t, ax.get_ylim()[1] * 0.95, phase, fontsize=7)
-    ax.set_xlabel("seconds since the engine was up")
-    ax.set_ylabel("GiB")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "vllm_memory.png", dpi=110)
-    print(f"plot: {out / 'vllm_memory.png'}")
-
-
-def colocate(out: pathlib.Path, limit: str) -> None:
-    """A second engine started while a stock engine (``gpu_memory_utilization=0.85``) serves:
-    stock vLLM at 0.3, then kvasync with ``limit``. Prints whether each started, and how fast."""
-    base = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
-    ready = out / "neighbour.ready"
-    ready.unlink(missing_ok=True)
-    me = [sys.executable, __file__]
-    neighbour_args = ["--engine", "stock", "--util", "0.85", "--hold", "150"]
-    neighbour_args += ["--ready", str(ready), "--json", str(out / "neighbour.json")]
-    neighbour = subprocess.Popen([*me, *neighbour_args], env=dict(base, KVASYNC_VLLM="0"))
-    rows = []
-    try:
-        due = time.monotonic() + 300
-        while not ready.exists():
-            if neighbour.poll() is not None or time.monotonic() > due:
-                raise SystemExit("the neighbour engine did not come up")
-            time.sleep(0.5)
-        for engine, env in (
-            ("stock", dict(base, KVASYNC_VLLM="0")),
-            ("kvasync", dict(base, KVASYNC_MEMORY_LIMIT=limit, KVASYNC_NAME="vllm-second")),
-        ):
-            result = out / f"second_{engine}.json"
-            t = time.monotonic()
-            done = subprocess.run(
-                [*me, "--engine", engine, "--json", str(result)],
-                env=env,
-                timeout=300,
-                capture_output=True,
-                text=True,
+def mode_release(run: Run) -> dict[str, Any]:
+    args = run.args
+    folder = run.out / "release"
+    attempts: list[dict[str, Any]] = []
+    for variant in ("stock", "kvasync"):
+        for attempt in range(1, args.attempts + 1):
+            name = f"{variant}{attempt}"
+            record: dict[str, Any] = {"variant": variant, "attempt": attempt}
+            attempts.append(record)
+            try:
+                run.clock.need(45, f"release {name}")
+            except OutOfTime as error:
+                record["failure"] = str(error)
+                continue
+            print(f"== release: {name}", flush=True)
+            share = f"bench-{run.tag}-release-{attempt}"
+            stop, release = folder / f"{name}.stop", folder / f"{name}.release"
+            folder.mkdir(parents=True, exist_ok=True)
+            stop.unlink(missing_ok=True)
+            release.unlink(missing_ok=True)
+            serve = {
+                "batches": [[128, 1024, 64]],
+                "gap_s": 0.1,
+                "stop": str(stop),
+                "release": str(release),
+                "max_s": 300.0,
+            }
+            budget = args.release_budget if variant == "kvasync" else None
+            first = Engine(
+                folder,
+                f"{name}_first",
+                run.spec(variant, "serve", serve, utilization=0.35),
+                run.env(variant, f"release-first-{attempt}", share=share, budget=budget),
             )
-            wall = time.monotonic() - t
-            if done.returncode == 0:
-                data = json.loads(result.read_text())
-                rows.append((engine, "yes", f"{data['start_s']:.1f}", "", data))
-            else:
-                lines = [x for x in done.stderr.splitlines() if "Error" in x or "error" in x]
-                why = (lines[-1] if lines else done.stderr[-300:]).strip()[:160]
-                rows.append((engine, "no", f"({wall:.1f} s to fail)", why, None))
-            (out / f"second_{engine}.log").write_text(done.stdout + done.stderr)
+            second = Engine(
+                folder,
+                f"{name}_second",
+                run.spec(variant, "starter", {"serve": [8, 256, 32]}, utilization=0.35),
+                run.env(variant, f"release-second-{attempt}", share=share, budget=budget),
+            )
+            try:
+                release_attempt(run, first, second, release, record)
+            finally:
+                kill_all([first, second])
+    return {"attempts": attempts, "release_budget": args.release_budget}
+
+
+def release_attempt(
+    run: Run, first: Engine, second: Engine, release: pathlib.Path, record: dict[str, Any]
+) -> None:
+    try:
+        first.go()
+        record["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
+        first.wait("batch", run.clock.by(60))
+        second.wait("imported", run.clock.by(60))
+    except FAILURES as error:
+        record["failure"] = f"setup: {error}"
+        return
+    second.go()
+    assert second.went is not None
+    trigger = None
+    due = run.clock.by(90)
+    while time.monotonic() < due and second.alive() and second.event("up") is None:
+        trigger = second.log_has(AFTER_SNAPSHOT)
+        if trigger is not None:
+            break
+        time.sleep(0.02)
+    record["trigger"] = trigger or "none (released when the second was up, ended or late)"
+    record["release_at_s"] = time.monotonic() - second.went
+    release.write_text("release")
+    exited = first.wait_exit(run.clock.by(20))
+    record["first_gone_at_s"] = None if exited is None else time.monotonic() - second.went
+    try:
+        up = second.wait("up", run.clock.by(120))
+        record["started"] = True
+        record["start_s"] = up["start_s"]
+        served = second.wait("served", run.clock.by(30))
+        record["served_tokens"] = served["output_tokens"]
+        second.wait_exit(run.clock.by(40))
+    except Died as error:
+        record["started"] = bool(second.event("up"))
+        record["error"] = error.error
+        record["failed_after_s"] = error.elapsed
+    except (Stalled, OutOfTime) as error:
+        record["started"] = bool(second.event("up"))
+        record["error"] = f"hang: {error}"
+
+
+# -- two engines on one budget -----------------------------------------------------------------
+
+TWO_VARIANTS = ("shared", "static-stock", "static-kvasync")
+
+
+def mode_two(run: Run) -> dict[str, Any]:
+    args = run.args
+    folder = run.out / "two"
+    budget = parse_gib(args.two_budget)
+    half = budget // 2
+    plan = alternating_trace(
+        engines=2,
+        bursts=args.bursts,
+        period_s=args.period_s,
+        requests=args.burst_requests,
+        window_s=1.0,
+        prompt_len=1536,
+        output_len=256,
+    )
+    trace_end = max(r["at"] for engine in plan for r in engine)
+    variants: dict[str, Any] = {}
+    data: dict[str, Any] = {
+        "budget_gib": budget / GIB,
+        "slo_s": args.slo_s,
+        "plan": plan,
+        "variants": variants,
+    }
+    for variant in args.two_variants:
+        record: dict[str, Any] = {}
+        variants[variant] = record
+        try:
+            run.clock.need(trace_end + 35, f"two engines, {variant}")
+        except OutOfTime as error:
+            record["failure"] = str(error)
+            continue
+        print(f"== two engines: {variant}", flush=True)
+        kind = "stock" if variant == "static-stock" else "kvasync"
+        share = f"bench-{run.tag}-two-{variant}" if kind == "kvasync" else None
+        trace_go = folder / f"{variant}.trace_go"
+        folder.mkdir(parents=True, exist_ok=True)
+        trace_go.unlink(missing_ok=True)
+        engines = []
+        for index, label in enumerate(("A", "B")):
+            spec = run.spec(
+                kind,
+                "trace",
+                {
+                    "warmup": [16, 1536, 16],
+                    "trace_go": str(trace_go),
+                    "plan": plan[index],
+                    "max_s": trace_end + 60,
+                },
+                utilization=0.2 if kind == "stock" else 0.3,
+                max_num_seqs=128,
+                stats=True,
+                kv_cache_bytes=half if variant == "static-stock" else None,
+            )
+            limit = f"{half}" if variant == "static-kvasync" else None
+            env = run.env(kind, f"two-{label}", share=share, budget=args.two_budget, limit=limit)
+            if kind == "stock":
+                env = run.env("stock", "")
+            engines.append(Engine(folder, f"{variant}_{label}", spec, env))
+        sampler = LedgerSampler(share) if share else None
+        if sampler:
+            sampler.start()
+        try:
+            for engine in engines:
+                engine.go()
+            for engine in engines:
+                record[f"start_s_{engine.name[-1]}"] = engine.wait("up", run.clock.by(150))[
+                    "start_s"
+                ]
+            for engine in engines:
+                engine.wait("warm", run.clock.by(60))
+            write_atomically(trace_go, repr(time.time() + 1.0))
+            for engine in engines:
+                engine.wait("result", run.clock.by(trace_end + 90))
+            record["engines"] = {engine.name[-1]: engine.result() for engine in engines}
+        except FAILURES as error:
+            record["failure"] = str(error)
+            print(f"   {error}", flush=True)
+        finally:
+            kill_all(engines)
+            if sampler:
+                record["ledger"] = sampler.finish()
+    return data
+
+
+# -- a second engine beside a busy stock one (the earlier RESULTS table) --------------------------
+
+
+def mode_colocate(run: Run) -> dict[str, Any]:
+    args = run.args
+    folder = run.out / "colocate"
+    stop, release = folder / "neighbour.stop", folder / "neighbour.release"
+    folder.mkdir(parents=True, exist_ok=True)
+    stop.unlink(missing_ok=True)
+    release.unlink(missing_ok=True)
+    serve = {
+        "batches": [[256, 512, 128]],
+        "gap_s": 0.0,
+        "stop": str(stop),
+        "release": str(release),
+        "max_s": 300.0,
+    }
+    neighbour = Engine(
+        folder,
+        "neighbour",
+        run.spec("stock", "serve", serve, utilization=0.85),
+        run.env("stock", ""),
+    )
+    seconds = []
+    data: dict[str, Any] = {"seconds": seconds}
+    try:
+        neighbour.go()
+        data["neighbour_start_s"] = neighbour.wait("up", run.clock.by(150))["start_s"]
+        for kind in ("stock", "kvasync"):
+            env = run.env(kind, "vllm-second", limit=args.colocate_limit)
+            second = Engine(
+                folder, f"second_{kind}", run.spec(kind, "starter", {"serve": [64, 512, 128]}), env
+            )
+            record: dict[str, Any] = {"kind": kind}
+            seconds.append(record)
+            try:
+                second.go()
+                record["start_s"] = second.wait("up", run.clock.by(120))["start_s"]
+                served = second.wait("served", run.clock.by(60))
+                record["tok_s"] = served["output_tokens"] / served["seconds"]
+            except FAILURES as error:
+                record["error"] = error.error if isinstance(error, Died) else str(error)
+            finally:
+                second.kill()
+    except FAILURES as error:
+        data["failure"] = str(error)
     finally:
-        neighbour.terminate()
-        neighbour.wait(60)
-    print("| second engine, while a stock engine at 0.85 serves | started | start s | error |")
-    print("| --- | --- | ---: | --- |")
-    for engine, started, start, why, data in rows:
-        extra = ""
-        if data:
-            extra = f" (served: burst {data['phases']['burst']['tok_s']:.0f} tok/s)"
-        print(f"| {engine} | {started}{extra} | {start} | {why} |")
+        neighbour.kill()
+    return data
+
+
+RUNNERS = {
+    "identity": mode_identity,
+    "seed-a": mode_seed_a,
+    "release": mode_release,
+    "two": mode_two,
+    "colocate": mode_colocate,
+}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--engine", choices=("stock", "kvasync"))
-    parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("vllm-bench"))
-    parser.add_argument("--limit", default="38GiB", help="the kvasync engine's KV memory limit")
-    parser.add_argument("--util", type=float, default=0.3, help="gpu_memory_utilization")
-    parser.add_argument("--hold", type=float, default=0.0, help="serve this long as neighbour")
-    parser.add_argument("--ready", type=pathlib.Path, help="the file a neighbour writes once up")
-    parser.add_argument(
-        "--colocate", action="store_true", help="a second engine beside a busy stock one"
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n", 1)[0].replace("\n", " "),
+        epilog="Modes and sizes: see the module's docstring.",
     )
+    parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("vllm-bench"))
+    parser.add_argument("--mode", nargs="+", choices=MODES, default=["identity"])
+    parser.add_argument(
+        "--all", action="store_true", help="identity (with mp), seed-a, release, two"
+    )
+    parser.add_argument("--report", type=pathlib.Path, help="print and plot OUT/summary.json again")
+    parser.add_argument("--budget-s", type=float, default=520.0, help="the whole run's deadline")
+    parser.add_argument("--executor", choices=("uni", "mp"), default="uni")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        default=["stock", "kvasync", "stock", "kvasync"],
+        help="identity: the engines in order (stock|kvasync, optionally -uni|-mp)",
+    )
+    parser.add_argument("--with-mp", action="store_true", help="identity: add kvasync-mp")
+    parser.add_argument("--rounds", type=int, default=3, help="identity: rounds per engine")
+    parser.add_argument("--limit", default="38GiB", help="identity: kvasync's memory limit")
+    parser.add_argument("--starts", type=int, default=10, help="seed-a: second-engine starts")
+    parser.add_argument("--start-deadline-s", type=float, default=60.0)
+    parser.add_argument("--seed-budget", default="8GiB", help="seed-a: the share's budget")
+    parser.add_argument("--attempts", type=int, default=2, help="release: attempts per variant")
+    parser.add_argument("--release-budget", default="80GiB", help="release: kvasync's share")
+    parser.add_argument("--two-budget", default="6GiB", help="two: the KV of both engines")
+    parser.add_argument(
+        "--two-variants", nargs="+", choices=TWO_VARIANTS, default=list(TWO_VARIANTS)
+    )
+    parser.add_argument("--bursts", type=int, default=4)
+    parser.add_argument("--period-s", type=float, default=6.0)
+    parser.add_argument("--burst-requests", type=int, default=96)
+    parser.add_argument("--slo-s", type=float, default=2.0, help="two: the TTFT SLO")
+    parser.add_argument("--colocate-limit", default="8GiB")
     args = parser.parse_args()
-    if args.engine:
-        run_engine(args.engine, args.json, args.util, args.hold, args.ready)
+    if args.child is not None:
+        from _vllm_child import run_child
+
+        run_child(args.child)
         return
+    if args.report is not None:
+        summary = json.loads((args.report / "summary.json").read_text())
+        report.report_all(summary, args.report)
+        return
+    if args.all:
+        args.mode = ["identity", "seed-a", "release", "two"]
+        args.with_mp = True
+    for variant in args.runs:
+        variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.colocate:
-        colocate(args.out, args.limit)
-        return
-    runs = []
-    for index, engine in enumerate(("stock", "kvasync", "stock")):
-        print(f"== {engine} engine", flush=True)
+    run = Run(args)
+    summary: dict[str, Any] = {
+        "argv": sys.argv[1:],
+        "executor": args.executor,
+        "budget_s": args.budget_s,
+        "modes": {},
+    }
+    for mode in args.mode:
+        t = time.monotonic()
         try:
-            runs.append(child(engine, args.out / f"run{index}_{engine}.json", args.limit))
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as error:
-            print(f"== {engine} engine failed: {error}", flush=True)
-            raise SystemExit(1) from None
-    report(runs, args.out)
+            run.clock.need(30, mode)
+            data = RUNNERS[mode](run)
+        except OutOfTime as error:
+            data = {"not_run": str(error)}
+        except Exception as error:  # one mode's bug must not cost the call the other modes
+            data = {"failure": f"{type(error).__name__}: {error}"}
+        data["wall_s"] = time.monotonic() - t
+        summary["modes"][mode] = data
+        summary["wall_s"] = time.monotonic() - run.clock.t0
+        (args.out / "summary.json").write_text(json.dumps(summary))
+        report.report_mode(mode, data, args.out)
+    print(f"\nwhole run: {time.monotonic() - run.clock.t0:.0f} s; data in {args.out}", flush=True)
 
 
 if __name__ == "__main__":

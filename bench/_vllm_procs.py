@@ -1,0 +1,265 @@
+"""The driver's hold on the engine processes of bench/bench_vllm.py: spawn, wait for an event
+with a deadline, read the error a dead engine printed, kill.
+
+Every wait here has a deadline. A wait that runs out raises ``Stalled`` with the elapsed time, and
+the caller reports it as a hang; an engine that exits before the event raises ``Died`` with the
+last error line of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+BENCH = pathlib.Path(__file__).resolve().parent / "bench_vllm.py"
+
+
+class Stalled(Exception):
+    """An engine did not reach an event within its deadline."""
+
+    def __init__(self, name: str, what: str, elapsed: float) -> None:
+        super().__init__(f"{name}: no '{what}' within {elapsed:.1f} s (hang)")
+        self.what = what
+        self.elapsed = elapsed
+
+
+class Died(Exception):
+    """An engine's process ended before the event it was waited for."""
+
+    def __init__(self, name: str, what: str, elapsed: float, error: str) -> None:
+        super().__init__(f"{name}: exited before '{what}' after {elapsed:.1f} s: {error}")
+        self.what = what
+        self.elapsed = elapsed
+        self.error = error
+
+
+class OutOfTime(Exception):
+    """The run's overall deadline leaves no time for this step."""
+
+
+def write_atomically(path: pathlib.Path, text: str) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
+
+
+class Clock:
+    """The whole run's deadline (``--budget-s``): every wait is cut to it."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.t0 = time.monotonic()
+        self.end = self.t0 + budget_s
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def by(self, seconds: float) -> float:
+        """An absolute deadline ``seconds`` from now, never past the run's end."""
+        return min(time.monotonic() + seconds, self.end)
+
+    def need(self, seconds: float, what: str) -> None:
+        """Raises OutOfTime when fewer than ``seconds`` are left for ``what``."""
+        if self.left() < seconds:
+            raise OutOfTime(f"{what}: {self.left():.0f} s left of the run, it needs ~{seconds:.0f}")
+
+
+class Engine:
+    """One engine process (``bench_vllm.py --child SPEC``), its files under ``folder``."""
+
+    def __init__(
+        self,
+        folder: pathlib.Path,
+        name: str,
+        spec: dict[str, Any],
+        env: dict[str, str],
+        *,
+        go_within_s: float = 600.0,
+    ) -> None:
+        self.name = name
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.events_path = folder / f"{name}.events.jsonl"
+        self.log_path = folder / f"{name}.log"
+        self.result_path = folder / f"{name}.json"
+        self.go_path = folder / f"{name}.go"
+        for stale in (self.events_path, self.result_path, self.go_path):
+            stale.unlink(missing_ok=True)
+        self.spec = dict(
+            spec,
+            name=name,
+            events=str(self.events_path),
+            result=str(self.result_path),
+            go=str(self.go_path),
+            go_within_s=go_within_s,
+            env={k: v for k, v in env.items() if k.startswith("KVASYNC_")},
+        )
+        spec_path = folder / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(self.spec, indent=1))
+        full_env = dict(os.environ)
+        for key in [k for k in full_env if k.startswith("KVASYNC_")]:
+            del full_env[key]
+        full_env.update(env, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        self._log = self.log_path.open("w")
+        self.spawned = time.monotonic()
+        # Its own session: the multiprocess executor's workers die with it on a kill.
+        self.process = subprocess.Popen(
+            [sys.executable, str(BENCH), "--child", str(spec_path)],
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.went: float | None = None
+
+    # -- what it said ------------------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            lines = self.events_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in lines:
+            try:
+                found.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                break
+        return found
+
+    def event(self, what: str) -> dict[str, Any] | None:
+        for record in self.events():
+            if record["event"] == what:
+                return record
+        return None
+
+    def all(self, what: str) -> list[dict[str, Any]]:
+        return [r for r in self.events() if r["event"] == what]
+
+    def result(self) -> dict[str, Any] | None:
+        try:
+            data: dict[str, Any] = json.loads(self.result_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return data
+
+    def error_line(self) -> str:
+        """The engine's own error event, else the last line of its log that names an error."""
+        said = self.event("error")
+        if said is not None:
+            return str(said["error"])
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        marked = [
+            line
+            for line in lines
+            if "Error" in line or "error" in line or "Assertion" in line or "Exception" in line
+        ]
+        return ((marked or lines or ["(empty log)"])[-1]).strip()[:400]
+
+    def log_has(self, needles: Iterable[str]) -> str | None:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return None
+        for needle in needles:
+            if needle in text:
+                return needle
+        return None
+
+    # -- what it is asked --------------------------------------------------------------------
+
+    def go(self) -> None:
+        self.went = time.monotonic()
+        write_atomically(self.go_path, "go")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, what: str, deadline: float) -> dict[str, Any]:
+        """The first ``what`` event, waiting until ``deadline`` (``time.monotonic``).
+
+        Raises:
+            Stalled: not there by the deadline (the engine keeps running: the caller kills).
+            Died: the process ended without it.
+        """
+        since = self.went if self.went is not None else self.spawned
+        while True:
+            found = self.event(what)
+            if found is not None:
+                return found
+            if not self.alive():
+                found = self.event(what)  # written just before it ended
+                if found is not None:
+                    return found
+                raise Died(self.name, what, time.monotonic() - since, self.error_line())
+            if time.monotonic() > deadline:
+                raise Stalled(self.name, what, time.monotonic() - since)
+            time.sleep(0.05)
+
+    def wait_exit(self, deadline: float) -> float | None:
+        """Seconds until the process ended, or None (then it is killed)."""
+        t = time.monotonic()
+        while self.alive():
+            if time.monotonic() > deadline:
+                self.kill()
+                return None
+            time.sleep(0.05)
+        return time.monotonic() - t
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+        self._log.close()
+
+
+def kill_all(engines: Iterable[Engine | None]) -> None:
+    for engine in engines:
+        if engine is not None:
+            engine.kill()
+
+
+class LedgerSampler(threading.Thread):
+    """The driver's view of a kvasync share: each member's mapped GiB by name, every 100 ms
+    (the ledger is read from any process; no CUDA in the driver)."""
+
+    def __init__(self, share: str, period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.share = share
+        self.period = period
+        self.samples: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        from kvasync import share as shares
+
+        while not self.stop_event.wait(self.period):
+            try:
+                entries = shares.snapshot(self.share, timeout=0.5)
+            except Exception:  # no ledger yet (no member joined), or between members
+                continue
+            self.samples.append(
+                {
+                    "wall": time.time(),
+                    "mapped_gib": {e.name: e.mapped_bytes / 2**30 for e in entries},
+                    "budget_gib": (shares.budget(entries) or 0) / 2**30,
+                }
+            )
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.stop_event.set()
+        self.join(5.0)
+        return self.samples
