@@ -184,7 +184,9 @@ def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
 
         registered = current_engine()
         share = spec["env"].get("KVASYNC_SHARE")
-        if registered is not None:
+        # With the multiprocess executor the pages are mapped in the worker's process: the
+        # share's ledger sees them, this process's allocator (if any) does not.
+        if registered is not None and not (share and spec["executor"] == "mp"):
             allocator = registered.allocator
             found["mapped_gib"] = lambda: allocator.stats().mapped_bytes / GIB
         elif share:
@@ -462,6 +464,17 @@ def run_child(spec_path: pathlib.Path) -> None:
     spec: dict[str, Any] = json.loads(spec_path.read_text())
     events = Events(pathlib.Path(spec["events"]))
     code = 0
+    # The driver's engines live in their own sessions (so that a kill takes the executor's
+    # workers too); an engine whose driver is gone ends itself instead of holding the GPU.
+    driver = os.getppid()
+
+    def watch_driver() -> None:
+        while os.getppid() == driver:
+            time.sleep(0.5)
+        events.emit("driver gone")
+        os._exit(5)
+
+    threading.Thread(target=watch_driver, daemon=True).start()
     try:
         t = time.monotonic()
         import vllm  # noqa: F401  (the import is what this step times)

@@ -62,6 +62,12 @@ class Clock:
     def left(self) -> float:
         return self.end - time.monotonic()
 
+    def until(self, end: float) -> Clock:
+        """A clock for one part of the run: its deadline ``end``, never past this one's."""
+        part = Clock(0.0)
+        part.end = min(end, self.end)
+        return part
+
     def by(self, seconds: float) -> float:
         """An absolute deadline ``seconds`` from now, never past the run's end."""
         return min(time.monotonic() + seconds, self.end)
@@ -82,7 +88,7 @@ class Engine:
         spec: dict[str, Any],
         env: dict[str, str],
         *,
-        go_within_s: float = 600.0,
+        go_within_s: float = 300.0,
     ) -> None:
         self.name = name
         self.folder = folder

@@ -428,8 +428,8 @@ def plot_two(data: dict[str, Any], out: pathlib.Path) -> None:
                 ax.plot(xs, mapped, label=f"{label}: mapped KV")
             used = [s.get("kv_usage", math.nan) * result["kv_capacity_gib"] for s in samples]
             ax.plot(xs, used, ls="--", label=f"{label}: KV in use")
-            if variant == "static-stock":
-                ax.axhline(result["kv_capacity_gib"], color="grey", ls=":", lw=0.8)
+            if variant.startswith("static"):  # each engine's half
+                ax.axhline(data["budget_gib"] / 2, color="grey", ls=":", lw=0.8)
         for index, engine in enumerate(data["plan"]):
             bursts: dict[str, list[float]] = {}
             for r in engine:

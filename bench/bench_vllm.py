@@ -167,7 +167,9 @@ def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
 def mode_identity(run: Run) -> dict[str, Any]:
     args = run.args
     folder = run.out / "identity"
-    variants = list(args.runs) + (["kvasync-mp"] if args.with_mp else [])
+    variants = list(args.runs)
+    if args.with_mp:  # third: if the run's time runs short, what is cut is a repeat
+        variants.insert(min(2, len(variants)), "kvasync-mp")
     task_args = {
         # Every shape the rounds use, so no round pays a kernel's first compile.
         "warmup": [[32, 128, 16], [16, 1024, 16], [64, 512, 32]],
@@ -470,10 +472,8 @@ def mode_two(run: Run) -> dict[str, Any]:
                 stats=True,
                 kv_cache_bytes=half if variant == "static-stock" else None,
             )
-            limit = f"{half}" if variant == "static-kvasync" else None
+            limit = f"{half // 2**20}MiB" if variant == "static-kvasync" else None
             env = run.env(kind, f"two-{label}", share=share, budget=args.two_budget, limit=limit)
-            if kind == "stock":
-                env = run.env("stock", "")
             engines.append(Engine(folder, f"{variant}_{label}", spec, env))
         sampler = LedgerSampler(share) if share else None
         if sampler:
@@ -552,6 +552,9 @@ def mode_colocate(run: Run) -> dict[str, Any]:
     return data
 
 
+# What each mode needs at least (s, warm kernel cache): the modes before it leave it this much.
+RESERVE_S = {"identity": 150.0, "two": 100.0, "seed-a": 100.0, "release": 80.0, "colocate": 60.0}
+
 RUNNERS = {
     "identity": mode_identity,
     "seed-a": mode_seed_a,
@@ -596,7 +599,9 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--period-s", type=float, default=6.0)
     parser.add_argument("--burst-requests", type=int, default=96)
-    parser.add_argument("--slo-s", type=float, default=2.0, help="two: the TTFT SLO")
+    parser.add_argument(
+        "--slo-s", type=float, help="two: the TTFT SLO (2 s; with --report: judge again by it)"
+    )
     parser.add_argument("--colocate-limit", default="8GiB")
     args = parser.parse_args()
     if args.child is not None:
@@ -606,10 +611,14 @@ def main() -> None:
         return
     if args.report is not None:
         summary = json.loads((args.report / "summary.json").read_text())
+        if args.slo_s is not None and "two" in summary["modes"]:
+            summary["modes"]["two"]["slo_s"] = args.slo_s
         report.report_all(summary, args.report)
         return
+    if args.slo_s is None:
+        args.slo_s = 2.0
     if args.all:
-        args.mode = ["identity", "seed-a", "release", "two"]
+        args.mode = ["identity", "two", "seed-a", "release"]
         args.with_mp = True
     for variant in args.runs:
         variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
@@ -621,8 +630,12 @@ def main() -> None:
         "budget_s": args.budget_s,
         "modes": {},
     }
-    for mode in args.mode:
+    whole = run.clock
+    for index, mode in enumerate(args.mode):
         t = time.monotonic()
+        # A mode may use the run's time but what the modes after it need at least.
+        later = sum(RESERVE_S[m] for m in args.mode[index + 1 :])
+        run.clock = whole.until(max(whole.end - later, t + RESERVE_S[mode]))
         try:
             run.clock.need(30, mode)
             data = RUNNERS[mode](run)
@@ -632,10 +645,10 @@ def main() -> None:
             data = {"failure": f"{type(error).__name__}: {error}"}
         data["wall_s"] = time.monotonic() - t
         summary["modes"][mode] = data
-        summary["wall_s"] = time.monotonic() - run.clock.t0
+        summary["wall_s"] = time.monotonic() - whole.t0
         (args.out / "summary.json").write_text(json.dumps(summary))
         report.report_mode(mode, data, args.out)
-    print(f"\nwhole run: {time.monotonic() - run.clock.t0:.0f} s; data in {args.out}", flush=True)
+    print(f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out}", flush=True)
 
 
 if __name__ == "__main__":
