@@ -421,17 +421,23 @@ BackendResult GroupBackend::map(int64_t first, int64_t count) {
 }
 
 BackendResult GroupBackend::unmap(int64_t first, int64_t count) {
+  // The pool keeps the pages of a failed unmap as mapped and hands their blocks out again, so a
+  // failure may be reported only while every device still holds them (tests/cpp/group_stress.cpp
+  // found blocks handed out on pages that the local backend and the other ranks had unmapped,
+  // after one rank refused or was slow). So the local unmap runs first, alone, and its failure is
+  // the only one reported; the ranks' outcome is not: a rank that failed keeps the pages in its
+  // record (a later map skips them, its leave unmaps them) and a slow one unmaps them before any
+  // later job of its ring. Their acks are still waited for, within the deadline, so that in the
+  // common case every rank has unmapped when this returns.
+  if (map_local_) {
+    const BackendResult local = local_->unmap(first, count);
+    if (!local.ok) return local;
+  }
   const auto deadline = group_detail::deadline_after(unmap_timeout_s_);
   const std::string what = "unmap " + group_detail::describe_pages(first, count);
   std::vector<uint64_t> seqs;
-  const SchedulerGroup::Outcome posted = group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
-  const BackendResult local =
-      map_local_ ? local_->unmap(first, count) : BackendResult::success();
-  const SchedulerGroup::Outcome acked =
-      group_->wait_acks(seqs, deadline, unmap_timeout_s_, what, true);
-  if (!local.ok) return local;
-  if (!posted.ok) return BackendResult::failure(std::string(kErrorName) + ": " + posted.error);
-  if (!acked.ok) return BackendResult::failure(std::string(kErrorName) + ": " + acked.error);
+  group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
+  group_->wait_acks(seqs, deadline, unmap_timeout_s_, what, true);
   return BackendResult::success();
 }
 

@@ -24,6 +24,7 @@
 // SchedulerGroup::post_mutex_ -> SchedulerGroup::broken_mutex_.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,7 +52,7 @@ class SchedulerGroup {
   void wait_ready(double timeout_s);
   // Tells every rank the group is over (they unmap and leave) and removes the file. Idempotent.
   void close();
-  bool closed() const { return closed_; }
+  bool closed() const { return closed_.load(); }
 
   struct RankView {
     int rank;
@@ -95,7 +96,9 @@ class SchedulerGroup {
   int num_ranks_;
   GroupFile* file_;
   int32_t owner_pid_;  // the process that created the group (Note [Tensor parallel group]: fork)
-  bool closed_ = false;
+  // Atomic: closed() is read without post_mutex_ (Python's `closed`, with the GIL, while another
+  // thread is in close() without it); tests/cpp/group_stress.cpp's TSan run flagged the race.
+  std::atomic<bool> closed_{false};
   uint64_t device_ = 0, inode_ = 0;  // the file we created, to tell it from a newer one at path_
   std::mutex post_mutex_;
   uint64_t next_seq_[kGroupMaxRanks] = {};
