@@ -75,11 +75,14 @@ mode), ``OUT/*.png``, and each engine's spec, events, log and result under ``OUT
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import _vllm_report as report
@@ -196,6 +199,12 @@ def mode_identity(run: Run) -> dict[str, Any]:
             record: dict[str, Any] = {"variant": variant, "name": engine.name}
             try:
                 run.clock.need(40, engine.name)
+            except OutOfTime as error:
+                record["failure"] = f"not run: {error}"
+                runs.append(record)
+                engine.kill()
+                break
+            try:
                 engine.go()
                 up = engine.wait("up", run.clock.by(170 if index == 0 else 100))
                 record["start_s"] = up["start_s"]
@@ -330,53 +339,83 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
 def mode_release(run: Run) -> dict[str, Any]:
     args = run.args
     folder = run.out / "release"
+    folder.mkdir(parents=True, exist_ok=True)
+    # Alternating, so that a run cut short by its deadline still has both.
+    plan = [(v, a) for a in range(1, args.attempts + 1) for v in ("stock", "kvasync")]
+
+    def pair(variant: str, attempt: int) -> tuple[Engine, Engine, pathlib.Path]:
+        name = f"{variant}{attempt}"
+        share = f"bench-{run.tag}-release-{attempt}"
+        stop, release = folder / f"{name}.stop", folder / f"{name}.release"
+        stop.unlink(missing_ok=True)
+        release.unlink(missing_ok=True)
+        serve = {
+            "batches": [[128, 1024, 64]],
+            "gap_s": 0.1,
+            "stop": str(stop),
+            "release": str(release),
+            "max_s": 300.0,
+        }
+        budget = args.release_budget if variant == "kvasync" else None
+        first = Engine(
+            folder,
+            f"{name}_first",
+            run.spec(variant, "serve", serve, utilization=0.35),
+            run.env(variant, f"release-first-{attempt}", share=share, budget=budget),
+        )
+        second = Engine(
+            folder,
+            f"{name}_second",
+            run.spec(variant, "starter", {"serve": [8, 256, 32]}, utilization=0.35),
+            run.env(variant, f"release-second-{attempt}", share=share, budget=budget),
+        )
+        return first, second, release
+
+    def spawn_into(
+        box: list[tuple[Engine, Engine, pathlib.Path]], later: tuple[str, int] | None
+    ) -> None:
+        """The next attempt's engines start importing vLLM (no GPU until their go)."""
+        if later is not None:
+            box.append(pair(*later))
+
     attempts: list[dict[str, Any]] = []
-    for variant in ("stock", "kvasync"):
-        for attempt in range(1, args.attempts + 1):
-            name = f"{variant}{attempt}"
+    upcoming: tuple[Engine, Engine, pathlib.Path] | None = None
+    try:
+        for index, (variant, attempt) in enumerate(plan):
             record: dict[str, Any] = {"variant": variant, "attempt": attempt}
             attempts.append(record)
             try:
-                run.clock.need(45, f"release {name}")
+                run.clock.need(40, f"release {variant}{attempt}")
             except OutOfTime as error:
                 record["failure"] = str(error)
                 continue
-            print(f"== release: {name}", flush=True)
-            share = f"bench-{run.tag}-release-{attempt}"
-            stop, release = folder / f"{name}.stop", folder / f"{name}.release"
-            folder.mkdir(parents=True, exist_ok=True)
-            stop.unlink(missing_ok=True)
-            release.unlink(missing_ok=True)
-            serve = {
-                "batches": [[128, 1024, 64]],
-                "gap_s": 0.1,
-                "stop": str(stop),
-                "release": str(release),
-                "max_s": 300.0,
-            }
-            budget = args.release_budget if variant == "kvasync" else None
-            first = Engine(
-                folder,
-                f"{name}_first",
-                run.spec(variant, "serve", serve, utilization=0.35),
-                run.env(variant, f"release-first-{attempt}", share=share, budget=budget),
-            )
-            second = Engine(
-                folder,
-                f"{name}_second",
-                run.spec(variant, "starter", {"serve": [8, 256, 32]}, utilization=0.35),
-                run.env(variant, f"release-second-{attempt}", share=share, budget=budget),
-            )
+            print(f"== release: {variant}{attempt}", flush=True)
+            current, upcoming = upcoming or pair(variant, attempt), None
+            first, second, release = current
+            spawned: list[tuple[Engine, Engine, pathlib.Path]] = []
+            later = plan[index + 1] if index + 1 < len(plan) else None
+            spawn_next = functools.partial(spawn_into, spawned, later)
             try:
-                release_attempt(run, first, second, release, record)
+                release_attempt(run, first, second, release, record, spawn_next)
             finally:
                 kill_all([first, second])
+                upcoming = spawned[0] if spawned else None
+    finally:
+        if upcoming is not None:
+            kill_all(upcoming[:2])
     return {"attempts": attempts, "release_budget": args.release_budget}
 
 
 def release_attempt(
-    run: Run, first: Engine, second: Engine, release: pathlib.Path, record: dict[str, Any]
+    run: Run,
+    first: Engine,
+    second: Engine,
+    release: pathlib.Path,
+    record: dict[str, Any],
+    spawn_next: Callable[[], None],
 ) -> None:
+    """One attempt; ``spawn_next()`` starts the next attempt's engines importing, once this
+    attempt's release has landed."""
     try:
         first.go()
         record["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
@@ -399,6 +438,7 @@ def release_attempt(
     release.write_text("release")
     exited = first.wait_exit(run.clock.by(20))
     record["first_gone_at_s"] = None if exited is None else time.monotonic() - second.went
+    spawn_next()
     try:
         up = second.wait("up", run.clock.by(120))
         record["started"] = True
@@ -442,19 +482,12 @@ def mode_two(run: Run) -> dict[str, Any]:
         "plan": plan,
         "variants": variants,
     }
-    for variant in args.two_variants:
-        record: dict[str, Any] = {}
-        variants[variant] = record
-        try:
-            run.clock.need(trace_end + 35, f"two engines, {variant}")
-        except OutOfTime as error:
-            record["failure"] = str(error)
-            continue
-        print(f"== two engines: {variant}", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def spawn(variant: str) -> list[Engine]:
         kind = "stock" if variant == "static-stock" else "kvasync"
         share = f"bench-{run.tag}-two-{variant}" if kind == "kvasync" else None
         trace_go = folder / f"{variant}.trace_go"
-        folder.mkdir(parents=True, exist_ok=True)
         trace_go.unlink(missing_ok=True)
         engines = []
         for index, label in enumerate(("A", "B")):
@@ -475,29 +508,53 @@ def mode_two(run: Run) -> dict[str, Any]:
             limit = f"{half // 2**20}MiB" if variant == "static-kvasync" else None
             env = run.env(kind, f"two-{label}", share=share, budget=args.two_budget, limit=limit)
             engines.append(Engine(folder, f"{variant}_{label}", spec, env))
-        sampler = LedgerSampler(share) if share else None
-        if sampler:
-            sampler.start()
-        try:
-            for engine in engines:
-                engine.go()
-            for engine in engines:
-                record[f"start_s_{engine.name[-1]}"] = engine.wait("up", run.clock.by(150))[
-                    "start_s"
-                ]
-            for engine in engines:
-                engine.wait("warm", run.clock.by(60))
-            write_atomically(trace_go, repr(time.time() + 1.0))
-            for engine in engines:
-                engine.wait("result", run.clock.by(trace_end + 90))
-            record["engines"] = {engine.name[-1]: engine.result() for engine in engines}
-        except FAILURES as error:
-            record["failure"] = str(error)
-            print(f"   {error}", flush=True)
-        finally:
-            kill_all(engines)
+        return engines
+
+    upcoming: list[Engine] = []
+    try:
+        for index, variant in enumerate(args.two_variants):
+            record: dict[str, Any] = {}
+            variants[variant] = record
+            try:
+                run.clock.need(trace_end + 35, f"two engines, {variant}")
+            except OutOfTime as error:
+                record["failure"] = str(error)
+                continue
+            print(f"== two engines: {variant}", flush=True)
+            engines, upcoming = upcoming or spawn(variant), []
+            share = engines[0].spec["env"].get("KVASYNC_SHARE")
+            sampler = LedgerSampler(share) if share else None
             if sampler:
-                record["ledger"] = sampler.finish()
+                sampler.start()
+            try:
+                for engine in engines:
+                    engine.go()
+                if index + 1 < len(args.two_variants):
+                    # The next pair imports vLLM while this one starts, and is idle (waiting for
+                    # its go) before this trace begins: the trace shares the CPU with nothing.
+                    upcoming = spawn(args.two_variants[index + 1])
+                for engine in engines:
+                    up = engine.wait("up", run.clock.by(150))
+                    record[f"start_s_{engine.name[-1]}"] = up["start_s"]
+                for engine in engines:
+                    engine.wait("warm", run.clock.by(60))
+                for engine in upcoming:
+                    with contextlib.suppress(*FAILURES):  # it is waited for again as current
+                        engine.wait("imported", run.clock.by(60))
+                trace_go = pathlib.Path(engines[0].spec["args"]["trace_go"])
+                write_atomically(trace_go, repr(time.time() + 1.0))
+                for engine in engines:
+                    engine.wait("result", run.clock.by(trace_end + 90))
+                record["engines"] = {engine.name[-1]: engine.result() for engine in engines}
+            except FAILURES as error:
+                record["failure"] = str(error)
+                print(f"   {error}", flush=True)
+            finally:
+                kill_all(engines)
+                if sampler:
+                    record["ledger"] = sampler.finish()
+    finally:
+        kill_all(upcoming)
     return data
 
 
