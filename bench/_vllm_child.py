@@ -254,15 +254,21 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, float]:
     return llm, time.monotonic() - started
 
 
-def generate(llm: Any, salt: str, count: int, prompt_len: int, output_len: int) -> list[Any]:
+def batch_of(salt: str, count: int, prompt_len: int, output_len: int) -> tuple[list[Any], Any]:
+    """``count`` greedy requests: their prompts and their sampling parameters."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=output_len, temperature=0, detokenize=False, ignore_eos=True)
-    batch = [
+    prompts = [
         TokensPrompt(prompt_token_ids=prompt_tokens(salt, i, prompt_len)) for i in range(count)
     ]
-    return list(llm.generate(batch, params, use_tqdm=False))
+    return prompts, params
+
+
+def generate(llm: Any, salt: str, count: int, prompt_len: int, output_len: int) -> list[Any]:
+    prompts, params = batch_of(salt, count, prompt_len, output_len)
+    return list(llm.generate(prompts, params, use_tqdm=False))
 
 
 def output_tokens(outs: Sequence[Any]) -> int:
@@ -284,9 +290,10 @@ def task_phases(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any
     rounds = []
     for r in range(args["rounds"]):
         count, prompt_len, output_len = args["round"]
+        prompts, params = batch_of(f"round{r}", count, prompt_len, output_len)
         sampler.mark(f"round {r + 1}")
         t = time.monotonic()
-        outs = generate(llm, f"round{r}", count, prompt_len, output_len)
+        outs = list(llm.generate(prompts, params, use_tqdm=False))
         seconds = time.monotonic() - t
         produced = output_tokens(outs)
         rounds.append(
@@ -493,7 +500,12 @@ def run_child(spec_path: pathlib.Path) -> None:
         os.replace(staging, result_path)
         events.emit("result")
         t = time.monotonic()
-        watchdog = threading.Timer(20.0, lambda: (events.emit("shutdown hang"), os._exit(4)))
+
+        def shutdown_hang() -> None:
+            events.emit("shutdown hang")
+            os._exit(4)
+
+        watchdog = threading.Timer(20.0, shutdown_hang)
         watchdog.daemon = True
         watchdog.start()
         llm.llm_engine.engine_core.shutdown()

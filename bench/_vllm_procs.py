@@ -8,6 +8,7 @@ last error line of its log.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,6 +20,8 @@ import threading
 import time
 from collections.abc import Iterable
 from typing import Any
+
+from _vllm_child import write_model_config
 
 BENCH = pathlib.Path(__file__).resolve().parent / "bench_vllm.py"
 
@@ -269,3 +272,70 @@ class LedgerSampler(threading.Thread):
         self.stop_event.set()
         self.join(5.0)
         return self.samples
+
+
+# -- what every mode of bench_vllm.py needs ----------------------------------------------------
+
+GIB = 2**30
+FAILURES = (Stalled, Died, OutOfTime)
+
+
+def parse_gib(text: str) -> int:
+    from kvasync._sizes import parse_size
+
+    return parse_size(text)
+
+
+class Run:
+    """What every mode needs: the arguments, the clock, the model, a base spec."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.clock = Clock(args.budget_s)
+        self.out: pathlib.Path = args.out
+        self.model_dir = write_model_config(pathlib.Path.home() / "llama-1b-config")
+        self.tag = f"{os.getpid()}"
+
+    def spec(self, kind: str, task: str, task_args: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        executor = extra.pop("executor", self.args.executor)
+        return {
+            "kind": kind,
+            "task": task,
+            "args": task_args,
+            "model_dir": str(self.model_dir),
+            "executor": executor,
+            "utilization": extra.pop("utilization", 0.3),
+            "max_model_len": extra.pop("max_model_len", 2048),
+            **extra,
+        }
+
+    @staticmethod
+    def env(
+        kind: str,
+        name: str,
+        *,
+        limit: str | None = None,
+        share: str | None = None,
+        budget: str | None = None,
+    ) -> dict[str, str]:
+        """The plugin's configuration: none for stock (``KVASYNC_VLLM=0`` makes it inert)."""
+        if kind == "stock":
+            return {"KVASYNC_VLLM": "0"}
+        env = {"KVASYNC_NAME": name, "KVASYNC_PREFIX_CACHE": "0"}
+        if limit:
+            env["KVASYNC_MEMORY_LIMIT"] = limit
+        if share:
+            env["KVASYNC_SHARE"] = share
+        if budget:
+            env["KVASYNC_DEVICE_BUDGET"] = budget
+        return env
+
+
+def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
+    """``kvasync-mp`` -> (``kvasync``, ``mp``); ``stock`` -> (``stock``, the default)."""
+    kind, _, executor = variant.partition("-")
+    if kind not in ("stock", "kvasync") or executor not in ("", "uni", "mp"):
+        raise ValueError(
+            f"an engine variant is stock or kvasync, optionally -uni or -mp: {variant}"
+        )
+    return kind, executor or default_executor

@@ -9,57 +9,65 @@ token-id prompts that share no prefix, ``enforce_eager``, TRITON_ATTN, bf16,
 driver holds a deadline on every engine start, request batch and shutdown (bench/_vllm_procs.py):
 an engine that hangs is reported as a hang with its elapsed time and killed, never waited out.
 
-Modes (``--mode``, several allowed; ``--all`` runs the four in order within ``--budget-s``):
+Modes (``--mode``, several allowed; ``--all`` runs identity with mp, two, seed-a, release in
+that order within ``--budget-s``):
 
 ``identity`` (default)
-    Engines one after another: stock, kvasync, stock, kvasync (``--runs``), and with
-    ``--with-mp`` kvasync on the multiprocess executor as a third variant. Each: warm-up (every
-    shape the rounds use), ``--rounds`` equal rounds of 256 requests of 512 + 128 tokens (output
-    tok/s per round; each output's digest), 2 s idle, a trickle of 8. Reports the outputs that are
-    token-identical to the first stock run's, each run's rounds and the spread (max-min over mean)
-    of stock runs and of kvasync runs, start times, the KV memory over time (plot). The next
-    engine imports vLLM while the current one idles, so a run costs its start plus ~15 s.
-    kvasync: ``KVASYNC_MEMORY_LIMIT=--limit`` (38GiB, stock's 0.3 of an H200),
-    ``KVASYNC_PREFIX_CACHE=0``.
+    Engines one after another: stock, kvasync, stock, kvasync (``--runs``); ``--with-mp`` puts
+    kvasync on the multiprocess executor third. Each: a warm-up of every shape the rounds use,
+    ``--rounds`` (3) equal rounds of 256 requests of 512 + 128 tokens (output tok/s of each; each
+    output's digest), 2 s idle, a trickle of 8. Reports the outputs token-identical to the first
+    stock run's (3 x 256 + 8 requests), each run's rounds, the spread (max - min over the mean) of
+    the stock runs and of the kvasync runs next to their ratio, start times, and the device's used
+    memory and kvasync's mapped KV over time (plot). The next engine imports vLLM while the
+    current one idles after its rounds. kvasync: ``KVASYNC_MEMORY_LIMIT=--limit`` (38GiB, stock's
+    KV at 0.3 of an H200), ``KVASYNC_PREFIX_CACHE=0``; the mp engine also joins a share of its
+    own so that its mapped KV is read from the ledger (the pages are mapped in its worker).
+``two``
+    Two engines at once, ``--two-budget`` (6GiB) of KV between them, on a trace where KV memory
+    binds: 4 bursts alternating between the engines (96 requests of 1536 + 256 tokens arriving
+    within 1 s, one burst every 6 s: A, B, A, B), timed arrivals through vLLM's engine loop so
+    each request's TTFT is seen when its first token leaves a step. Variants (``--two-variants``):
+    ``shared`` (kvasync, one share, the budget between them), ``static-stock`` (stock,
+    ``kv_cache_memory_bytes`` = half each), ``static-kvasync`` (kvasync, one share,
+    ``KVASYNC_MEMORY_LIMIT`` = half each). All with ``max_num_seqs=128``. Reports requests within
+    ``--slo-s`` (2 s) TTFT, TTFT percentiles, output tok/s, preemptions (vLLM's
+    ``vllm:num_preemptions`` counter), and each engine's KV over time (plot).
+    Why memory binds: a request holds (1536 + 256) x 32 KiB = 56 MiB of KV at its end, so a 3 GiB
+    half holds about 54 of a burst's 96 (vLLM admits 64 on their prompts, then preempts as they
+    grow) and the rest wait a whole request lifetime (256 decode steps, seconds), while one engine
+    alone in the shared 6 GiB holds the whole burst. Compute does not bind first: a burst's
+    prefill is 147k tokens (about a second for a 1B model on an H200) and decode batches are at
+    most 128 sequences, where an eager-mode step is launch-bound.
 ``seed-a``
     A first kvasync engine serves bursts (192 requests of 1024 + 64 tokens, then 32 short ones,
     0.3 s idle between: it maps and unmaps) in one share (``KVASYNC_SHARE`` +
     ``KVASYNC_DEVICE_BUDGET=--seed-budget``, 8GiB: its bursts alone reach about that, so a
     second engine's pages come from what the first gives back). Beside it a second kvasync engine
-    is started ``--starts`` (10) times: start, 8 requests, shut down. Reports each start's time,
-    hangs (a start has ``--start-deadline-s``), that the first kept serving (its batches during
-    each start) and the share's mapped memory over time (plot).
+    is started ``--starts`` (10) times: start, 8 requests, shut down; the next one imports vLLM
+    meanwhile. Reports each start's time, hangs (each start has ``--start-deadline-s``; two hangs
+    in a row end the mode), that the first kept serving (its batches during each start, the
+    longest time between two of its batches, its map and unmap counts) and the share's mapped
+    memory over time (plot).
 ``release``
-    The stock failure of issue 19: a second engine starts while the first finishes and releases
-    its memory. The second's log is watched; once it says it is loading the model (its memory
-    snapshot is taken by then, the profile that compares free memory against it comes next) the
-    first leaves at once. Stock (both ``gpu_memory_utilization=0.35``) is the baseline, kvasync
-    (both in one share, ``--release-budget``) the subject, ``--attempts`` (2) each. Reports starts
-    that succeeded and the errors seen, with when the release landed.
-``two``
-    Two engines at once, ``--two-budget`` (6GiB) of KV between them, on a trace where KV memory
-    binds: 4 bursts alternating between the engines (96 requests of 1536 + 256 tokens within 1 s,
-    every 6 s), timed arrivals through vLLM's engine loop so each request's TTFT is seen.
-    Variants (``--two-variants``): ``shared`` (kvasync, one share, the budget between them),
-    ``static-stock`` (stock, ``kv_cache_memory_bytes`` = half each), ``static-kvasync`` (kvasync,
-    one share, ``KVASYNC_MEMORY_LIMIT`` = half each). Reports requests within ``--slo-s`` (2 s)
-    TTFT, TTFT percentiles, output tok/s, preemptions (vLLM's ``vllm:num_preemptions``), and the
-    KV memory of each engine over time (plot).
-    Why memory binds: a request holds 1792 tokens x 32 KiB = 56 MiB of KV at its end, so a 3 GiB
-    half holds ~54 of a burst's 96 and the rest wait a whole request lifetime (256 decode steps,
-    several seconds), while one engine alone in the shared 6 GiB holds them all. The compute
-    stays well below the GPU's: a burst's prefill is 147k tokens (~1 s on an H200 for a 1B
-    model), decode batches are at most 128 (``max_num_seqs``), where the GPU is launch-bound.
+    Issue 19's stock failure: a second engine starts while the first finishes and releases its
+    memory. The second's log is watched; once it says it is loading the model (its start-up
+    memory snapshot is taken by then, and the profile that compares free memory against it comes
+    next) the first leaves at once (``os._exit``: the driver frees its memory). Stock, both at
+    ``gpu_memory_utilization=0.35``, is the baseline; kvasync, both in one share
+    (``--release-budget``, 80GiB), the subject; ``--attempts`` (2) each, alternating. Reports the
+    starts that succeeded, the errors seen, and when the release landed.
 ``colocate``
     A second engine beside a stock engine at ``gpu_memory_utilization=0.85`` that keeps serving:
-    stock at 0.3, then kvasync with ``--limit 8GiB`` (the earlier RESULTS table).
+    stock at 0.3, then kvasync with ``--colocate-limit`` (8GiB) (the earlier RESULTS table).
 
-Expected wall time on an H200 with vLLM's Triton kernels in the on-disk cache (a cold cache adds
-~45 s to the first engine): identity with mp ~150 s, seed-a ~130 s, release ~90 s, two ~45 s a
-variant. ``--all`` (identity with mp, seed-a, release, two: shared and static-stock, then
-static-kvasync if time is left) stops starting steps when ``--budget-s`` (520) would be passed,
-and says what it did not run. The reference allocator (kvcached) is not run here: building it on
-the device is not scripted in bench/.
+Expected wall time on an H200 with vLLM's Triton kernels already in the on-disk cache (a cold
+cache adds about 45 s to the first engine), assuming about 10 s to import vLLM and 8 s to start
+an engine: identity with mp ~150-200 s, two ~110 s for two variants (~50 s more for the third),
+seed-a ~150 s, release ~40 s an attempt pair. ``--all`` gives each mode the run's time less what
+the modes after it need at least (``RESERVE_S``); a step that would pass ``--budget-s`` (520) is
+not started and is reported as not run. The reference allocator (kvcached) is not run: building
+it on the device is not scripted in bench/.
 
 Usage (on the GPU machine, vLLM importable)::
 
@@ -76,92 +84,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
-import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import _vllm_report as report
-from _vllm_child import AFTER_SNAPSHOT, alternating_trace, write_model_config
+from _vllm_child import alternating_trace
 from _vllm_procs import (
-    Clock,
-    Died,
+    FAILURES,
+    GIB,
     Engine,
     LedgerSampler,
     OutOfTime,
-    Stalled,
+    Run,
     kill_all,
+    parse_gib,
+    variant_parts,
     write_atomically,
 )
+from _vllm_starts import mode_colocate, mode_release, mode_seed_a
 
 MODES = ("identity", "seed-a", "release", "two", "colocate")
-GIB = 2**30
-FAILURES = (Stalled, Died, OutOfTime)
-
-
-def parse_gib(text: str) -> int:
-    from kvasync._sizes import parse_size
-
-    return parse_size(text)
-
-
-class Run:
-    """What every mode needs: the arguments, the clock, the model, a base spec."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.clock = Clock(args.budget_s)
-        self.out: pathlib.Path = args.out
-        self.model_dir = write_model_config(pathlib.Path.home() / "llama-1b-config")
-        self.tag = f"{os.getpid()}"
-
-    def spec(self, kind: str, task: str, task_args: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        executor = extra.pop("executor", self.args.executor)
-        return {
-            "kind": kind,
-            "task": task,
-            "args": task_args,
-            "model_dir": str(self.model_dir),
-            "executor": executor,
-            "utilization": extra.pop("utilization", 0.3),
-            "max_model_len": extra.pop("max_model_len", 2048),
-            **extra,
-        }
-
-    @staticmethod
-    def env(
-        kind: str,
-        name: str,
-        *,
-        limit: str | None = None,
-        share: str | None = None,
-        budget: str | None = None,
-    ) -> dict[str, str]:
-        """The plugin's configuration: none for stock (``KVASYNC_VLLM=0`` makes it inert)."""
-        if kind == "stock":
-            return {"KVASYNC_VLLM": "0"}
-        env = {"KVASYNC_NAME": name, "KVASYNC_PREFIX_CACHE": "0"}
-        if limit:
-            env["KVASYNC_MEMORY_LIMIT"] = limit
-        if share:
-            env["KVASYNC_SHARE"] = share
-        if budget:
-            env["KVASYNC_DEVICE_BUDGET"] = budget
-        return env
-
-
-def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
-    """``kvasync-mp`` -> (``kvasync``, ``mp``); ``stock`` -> (``stock``, the default)."""
-    kind, _, executor = variant.partition("-")
-    if kind not in ("stock", "kvasync") or executor not in ("", "uni", "mp"):
-        raise ValueError(
-            f"an engine variant is stock or kvasync, optionally -uni or -mp: {variant}"
-        )
-    return kind, executor or default_executor
 
 
 # -- identity, throughput, start, memory -------------------------------------------------------
@@ -231,228 +176,6 @@ def mode_identity(run: Run) -> dict[str, Any]:
     finally:
         kill_all([upcoming])
     return {"variants": variants, "runs": runs, "rounds": args.rounds}
-
-
-# -- seed A ------------------------------------------------------------------------------------
-
-
-def mode_seed_a(run: Run) -> dict[str, Any]:
-    args = run.args
-    folder = run.out / "seed_a"
-    share = f"bench-{run.tag}-seeda"
-    stop, release = folder / "first.stop", folder / "first.release"
-    first_args = {
-        "batches": [[192, 1024, 64], [32, 256, 64]],
-        "gap_s": 0.3,
-        "stop": str(stop),
-        "release": str(release),
-        "max_s": 400.0,
-    }
-    env_first = run.env("kvasync", "seedA-first", share=share, budget=args.seed_budget)
-    folder.mkdir(parents=True, exist_ok=True)
-    stop.unlink(missing_ok=True)
-    release.unlink(missing_ok=True)
-    first = Engine(folder, "first", run.spec("kvasync", "serve", first_args), env_first)
-
-    def starter(k: int) -> Engine:
-        env = run.env("kvasync", f"seedA-second-{k}", share=share, budget=args.seed_budget)
-        spec = run.spec("kvasync", "starter", {"serve": [8, 256, 32]})
-        return Engine(folder, f"second{k:02d}", spec, env)
-
-    sampler = LedgerSampler(share)
-    sampler.start()
-    starts: list[dict[str, Any]] = []
-    data: dict[str, Any] = {"share": share, "budget": args.seed_budget, "starts": starts}
-    upcoming: Engine | None = starter(1)
-    try:
-        first.go()
-        try:
-            data["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
-            first.wait("batch", run.clock.by(60))
-        except FAILURES as error:
-            data["first_failure"] = str(error)
-            return data
-        hangs_in_a_row = 0
-        for k in range(1, args.starts + 1):
-            engine, upcoming = upcoming, None
-            assert engine is not None
-            record: dict[str, Any] = {"start": k}
-            starts.append(record)
-            try:
-                run.clock.need(args.start_deadline_s / 3, f"seed A start {k}")
-                engine.wait("imported", run.clock.by(90))
-            except FAILURES as error:
-                record["failure"] = f"not started: {error}"
-                engine.kill()
-                break
-            if k < args.starts:
-                upcoming = starter(k + 1)
-            record["go_wall"] = time.time()
-            engine.go()
-            print(f"== seed A: start {k}", flush=True)
-            try:
-                up = engine.wait("up", run.clock.by(args.start_deadline_s))
-                record["start_s"] = up["start_s"]
-                record["up_wall"] = up["wall"]
-                served = engine.wait("served", run.clock.by(30))
-                record["served_s"] = served["seconds"]
-                record["output_tokens"] = served["output_tokens"]
-                done = engine.wait("done", run.clock.by(30))
-                record["shutdown_s"] = done["shutdown_s"]
-                engine.wait_exit(run.clock.by(15))
-                hangs_in_a_row = 0
-            except Stalled as error:
-                record["hang"] = {"what": error.what, "elapsed_s": error.elapsed}
-                hangs_in_a_row += 1
-                print(f"   {error}", flush=True)
-            except (Died, OutOfTime) as error:
-                record["failure"] = str(error)
-                print(f"   {error}", flush=True)
-            finally:
-                engine.kill()
-                record["end_wall"] = time.time()
-            record["first_alive"] = first.alive()
-            if not first.alive():
-                data["first_failure"] = f"the first engine ended: {first.error_line()}"
-                break
-            if hangs_in_a_row >= 2:
-                data["stopped"] = "two hangs in a row"
-                break
-        stop.write_text("stop")
-        try:
-            first.wait("result", run.clock.by(60))
-        except FAILURES as error:
-            data["first_failure"] = f"did not stop: {error}"
-        data["first"] = first.result()
-        data["first_batches"] = [
-            {k: b[k] for k in ("begin", "end", "output_tokens")} for b in first.all("batch")
-        ]
-    finally:
-        kill_all([first, upcoming])
-        data["ledger"] = sampler.finish()
-    return data
-
-
-# -- a neighbour's release ---------------------------------------------------------------------
-
-
-def mode_release(run: Run) -> dict[str, Any]:
-    args = run.args
-    folder = run.out / "release"
-    folder.mkdir(parents=True, exist_ok=True)
-    # Alternating, so that a run cut short by its deadline still has both.
-    plan = [(v, a) for a in range(1, args.attempts + 1) for v in ("stock", "kvasync")]
-
-    def pair(variant: str, attempt: int) -> tuple[Engine, Engine, pathlib.Path]:
-        name = f"{variant}{attempt}"
-        share = f"bench-{run.tag}-release-{attempt}"
-        stop, release = folder / f"{name}.stop", folder / f"{name}.release"
-        stop.unlink(missing_ok=True)
-        release.unlink(missing_ok=True)
-        serve = {
-            "batches": [[128, 1024, 64]],
-            "gap_s": 0.1,
-            "stop": str(stop),
-            "release": str(release),
-            "max_s": 300.0,
-        }
-        budget = args.release_budget if variant == "kvasync" else None
-        first = Engine(
-            folder,
-            f"{name}_first",
-            run.spec(variant, "serve", serve, utilization=0.35),
-            run.env(variant, f"release-first-{attempt}", share=share, budget=budget),
-        )
-        second = Engine(
-            folder,
-            f"{name}_second",
-            run.spec(variant, "starter", {"serve": [8, 256, 32]}, utilization=0.35),
-            run.env(variant, f"release-second-{attempt}", share=share, budget=budget),
-        )
-        return first, second, release
-
-    def spawn_into(
-        box: list[tuple[Engine, Engine, pathlib.Path]], later: tuple[str, int] | None
-    ) -> None:
-        """The next attempt's engines start importing vLLM (no GPU until their go)."""
-        if later is not None:
-            box.append(pair(*later))
-
-    attempts: list[dict[str, Any]] = []
-    upcoming: tuple[Engine, Engine, pathlib.Path] | None = None
-    try:
-        for index, (variant, attempt) in enumerate(plan):
-            record: dict[str, Any] = {"variant": variant, "attempt": attempt}
-            attempts.append(record)
-            try:
-                run.clock.need(40, f"release {variant}{attempt}")
-            except OutOfTime as error:
-                record["failure"] = str(error)
-                continue
-            print(f"== release: {variant}{attempt}", flush=True)
-            current, upcoming = upcoming or pair(variant, attempt), None
-            first, second, release = current
-            spawned: list[tuple[Engine, Engine, pathlib.Path]] = []
-            later = plan[index + 1] if index + 1 < len(plan) else None
-            spawn_next = functools.partial(spawn_into, spawned, later)
-            try:
-                release_attempt(run, first, second, release, record, spawn_next)
-            finally:
-                kill_all([first, second])
-                upcoming = spawned[0] if spawned else None
-    finally:
-        if upcoming is not None:
-            kill_all(upcoming[:2])
-    return {"attempts": attempts, "release_budget": args.release_budget}
-
-
-def release_attempt(
-    run: Run,
-    first: Engine,
-    second: Engine,
-    release: pathlib.Path,
-    record: dict[str, Any],
-    spawn_next: Callable[[], None],
-) -> None:
-    """One attempt; ``spawn_next()`` starts the next attempt's engines importing, once this
-    attempt's release has landed."""
-    try:
-        first.go()
-        record["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
-        first.wait("batch", run.clock.by(60))
-        second.wait("imported", run.clock.by(60))
-    except FAILURES as error:
-        record["failure"] = f"setup: {error}"
-        return
-    second.go()
-    assert second.went is not None
-    trigger = None
-    due = run.clock.by(90)
-    while time.monotonic() < due and second.alive() and second.event("up") is None:
-        trigger = second.log_has(AFTER_SNAPSHOT)
-        if trigger is not None:
-            break
-        time.sleep(0.02)
-    record["trigger"] = trigger or "none (released when the second was up, ended or late)"
-    record["release_at_s"] = time.monotonic() - second.went
-    release.write_text("release")
-    exited = first.wait_exit(run.clock.by(20))
-    record["first_gone_at_s"] = None if exited is None else time.monotonic() - second.went
-    spawn_next()
-    try:
-        up = second.wait("up", run.clock.by(120))
-        record["started"] = True
-        record["start_s"] = up["start_s"]
-        served = second.wait("served", run.clock.by(30))
-        record["served_tokens"] = served["output_tokens"]
-        second.wait_exit(run.clock.by(40))
-    except Died as error:
-        record["started"] = bool(second.event("up"))
-        record["error"] = error.error
-        record["failed_after_s"] = error.elapsed
-    except (Stalled, OutOfTime) as error:
-        record["started"] = bool(second.event("up"))
-        record["error"] = f"hang: {error}"
 
 
 # -- two engines on one budget -----------------------------------------------------------------
@@ -558,58 +281,6 @@ def mode_two(run: Run) -> dict[str, Any]:
     return data
 
 
-# -- a second engine beside a busy stock one (the earlier RESULTS table) --------------------------
-
-
-def mode_colocate(run: Run) -> dict[str, Any]:
-    args = run.args
-    folder = run.out / "colocate"
-    stop, release = folder / "neighbour.stop", folder / "neighbour.release"
-    folder.mkdir(parents=True, exist_ok=True)
-    stop.unlink(missing_ok=True)
-    release.unlink(missing_ok=True)
-    serve = {
-        "batches": [[256, 512, 128]],
-        "gap_s": 0.0,
-        "stop": str(stop),
-        "release": str(release),
-        "max_s": 300.0,
-    }
-    neighbour = Engine(
-        folder,
-        "neighbour",
-        run.spec("stock", "serve", serve, utilization=0.85),
-        run.env("stock", ""),
-    )
-    seconds = []
-    data: dict[str, Any] = {"seconds": seconds}
-    try:
-        neighbour.go()
-        data["neighbour_start_s"] = neighbour.wait("up", run.clock.by(150))["start_s"]
-        for kind in ("stock", "kvasync"):
-            env = run.env(kind, "vllm-second", limit=args.colocate_limit)
-            second = Engine(
-                folder, f"second_{kind}", run.spec(kind, "starter", {"serve": [64, 512, 128]}), env
-            )
-            record: dict[str, Any] = {"kind": kind}
-            seconds.append(record)
-            try:
-                second.go()
-                record["start_s"] = second.wait("up", run.clock.by(120))["start_s"]
-                served = second.wait("served", run.clock.by(60))
-                record["tok_s"] = served["output_tokens"] / served["seconds"]
-            except FAILURES as error:
-                record["error"] = error.error if isinstance(error, Died) else str(error)
-            finally:
-                second.kill()
-    except FAILURES as error:
-        data["failure"] = str(error)
-    finally:
-        neighbour.kill()
-    return data
-
-
-# What each mode needs at least (s, warm kernel cache): the modes before it leave it this much.
 RESERVE_S = {"identity": 150.0, "two": 100.0, "seed-a": 100.0, "release": 80.0, "colocate": 60.0}
 
 RUNNERS = {
@@ -667,10 +338,10 @@ def main() -> None:
         run_child(args.child)
         return
     if args.report is not None:
-        summary = json.loads((args.report / "summary.json").read_text())
-        if args.slo_s is not None and "two" in summary["modes"]:
-            summary["modes"]["two"]["slo_s"] = args.slo_s
-        report.report_all(summary, args.report)
+        finished = json.loads((args.report / "summary.json").read_text())
+        if args.slo_s is not None and "two" in finished["modes"]:
+            finished["modes"]["two"]["slo_s"] = args.slo_s
+        report.report_all(finished, args.report)
         return
     if args.slo_s is None:
         args.slo_s = 2.0
