@@ -130,9 +130,17 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
         rows,
     )
     stock = means.get("stock")
+    print()
     for kind, mean in means.items():
         if stock and kind != "stock":
-            print(f"\n{kind} / stock output tok/s: {mean / stock:.3f}")
+            print(f"{kind} / stock output tok/s: {mean / stock:.3f}")
+    # The call's first engine may have compiled kernels at start: its start is not compared.
+    warm = [r for r in done if r is not done[0] and r.get("start_s") is not None]
+    for kind in by_kind:
+        starts = [r["start_s"] for r in warm if r["variant"] == kind]
+        if starts:
+            median = statistics.median(starts)
+            print(f"{kind} start (not the call's first engine): median {median:.1f} s")
     print(
         "(the first engine of the call may compile Triton kernels at start; its rounds come after "
         "a warm-up of every shape they use)"

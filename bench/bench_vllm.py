@@ -26,7 +26,7 @@ that order within ``--budget-s``):
 ``two``
     Two engines at once, ``--two-budget`` (6GiB) of KV between them, on a trace where KV memory
     binds: 4 bursts alternating between the engines (96 requests of 1536 + 256 tokens arriving
-    within 1 s, one burst every 6 s: A, B, A, B), timed arrivals through vLLM's engine loop so
+    within 1 s, one burst every 7 s: A, B, A, B), timed arrivals through vLLM's engine loop so
     each request's TTFT is seen when its first token leaves a step. Variants (``--two-variants``):
     ``shared`` (kvasync, one share, the budget between them), ``static-stock`` (stock,
     ``kv_cache_memory_bytes`` = half each), ``static-kvasync`` (kvasync, one share,
@@ -325,7 +325,7 @@ def main() -> None:
         "--two-variants", nargs="+", choices=TWO_VARIANTS, default=list(TWO_VARIANTS)
     )
     parser.add_argument("--bursts", type=int, default=4)
-    parser.add_argument("--period-s", type=float, default=6.0)
+    parser.add_argument("--period-s", type=float, default=7.0)
     parser.add_argument("--burst-requests", type=int, default=96)
     parser.add_argument(
         "--slo-s", type=float, help="two: the TTFT SLO (2 s; with --report: judge again by it)"
