@@ -17,41 +17,83 @@ same traces:
 
 Cases:
 
-  memory   the regime co-location exists for, built from first principles. Popularity is
-           skewed: one engine is hot, the others get ``cold_weight`` of its arrival rate; the hot
-           one changes over the run (engine 0 for the longest phase, then 1, ...; with N = 4 the
-           last engine stays cold); every engine has seeded bursts; prompts are long and outputs
-           long enough that a request holds its KV for seconds. The hot rate is set, before any
-           variant runs, so that the hot engine's working set (Little's law: rate x lifetime x KV
-           per request, the lifetime from the decode step time measured at that batch) is
-           ``hot_fill`` of the whole budget: more than a 1/N partition holds (N >= 2 with
-           hot_fill > 1/2), while the hot engine plus the cold ones fit the budget together, and
-           so that all engines' GPU time (each request's prefill at the measured prefill rate,
-           plus its share of the decode steps) stays within ``--compute-cap`` of the device;
-           the output says when that cap keeps the working set below its target (then these
-           request shapes cannot make memory bind). The regime check: step time and tokens/s at
-           the crest against the full batch's, GPU busy (NVML), the calibration's measured
-           lifetime against the estimate; the static variant's preemptions and memory queue.
+  memory   the regime co-location exists for, built from first principles: KV memory binds
+           while compute does not. Popularity is skewed: one engine is hot, the others get
+           ``cold_weight`` of its arrival rate; the hot one changes once (engine 0 for 2/3 of
+           the run, then engine 1; with N = 4 engines 2 and 3 stay cold); every engine has
+           seeded bursts. Requests are decode-heavy: short prompts (small: 160-640 tokens) and
+           long outputs (192-448), so that each holds KV for seconds at little compute a second
+           (a decode step of a batch of 200 costs about what one of 10 does: 24 against 16 ms on
+           the H200). The hot rate is set before any variant runs (the calibration, below) so
+           that the hot engine's working set (Little's law: rate x lifetime x KV per request)
+           is ``hot_fill`` of the whole budget, 3x a 1/4 partition, while the hot engine and the
+           cold ones fit the budget together (0.75 x (1 + 3 x 0.05) = 0.86).
+
   compute  the compute-bound trace of bench_serving.py --colocated-only (two engines, bump-shaped
            arrivals peaking at 30% and 70% of the run, both past their compute at the crest), on
            this harness (static halves against shared): no memory policy can win here; the goal
            is not to lose.
 
+Calibration (memory case), each figure measured: decode steps alone at the full batch, the hot
+batch and the cold one, and the prefill rate; the hot engine's decode step with N - 1 engines
+stepping at the cold batch beside it (the contention); a stream on one engine alone, whose
+requests' KV lifetime (admission to end) and time per token (prefills and decodes mixed) give
+the lifetime at the hot batch. The hot rate is the hot batch over that lifetime. The compute
+check: the hot engine's step in a run, predicted as the decode step at its batch x the stream's
+prefill factor x the contention, must stay within ``--compute-cap`` of the TPOT SLO (by default
+the step target, 80%, above which every engine holds admission: EngineConfig.step_target);
+where it does not, the hot batch is lowered until it does and the output says so ("capped by
+compute": these shapes cannot make memory bind). After the runs, the regime check says whether
+memory bound: static 1/N's busiest engine queued for memory (waiting with its batch not full
+and compute not holding admission) for at least one request-second a second, while in the
+shared run at most 10% of the requests missed the TPOT SLO, admission was not held for compute
+for most of its queue, and the crest's steps stayed within the TPOT SLO. (NVML's "GPU busy" is
+printed but is no evidence: it counts a kernel running, 99% even at a quarter of the device.)
+
+The arithmetic of the goal (shared >= 2x static 1/N at N = 4), before the run. With hot rate
+L, KV lifetime T, hot fill f, TTFT SLO tau and N engines, a 1/N partition holds s = 1/(N f) of
+the hot working set (1/3 at f = 0.75, N = 4), so it serves s L a second while L arrive. In a hot
+phase of P seconds it admits s L T requests at once (filling its partition), then a FIFO queue
+forms whose head has waited (1 - s) t after t seconds: it passes the TTFT SLO after
+tau / (1 - s) s, and every request admitted later waited longer (or gave up after
+``give_up_factor`` tau). So static 1/N serves within SLO min(L P, s L (T + tau / (1 - s)))
+of the phase's L P hot requests, shared all of them (memory fits); the cold engines'
+(N - 1) c L D requests are within SLO in both. On the H200 (small, a pilot of this harness):
+T = 14.6 s at a hot batch of 198, L = 13.6 req/s, D = 36 s (phases of 24 and 12 s), tau = 2,
+s = 1/3, c = 0.05: static 1/N per phase s L (T + 3) = 5.9 L (capped at the phase's L P), in
+all 11.7 L + 5.4 L (cold) = 17.1 L = 233 requests; shared 36 L + 5.4 L = 41.4 L = 562: 2.4x.
+That pilot measured 216 against 618 (2.86x; shared met every SLO, the bursts included). The
+ratio grows with the phases' length against T (P / T), which is why the hot phases are few and
+long and the outputs not longer; at N = 2 (s = 2/3) the same arithmetic gives about 1.4x.
+The harness prints this arithmetic with its own calibration before the runs ("On paper").
+
+Run length: a run ends when its last request ends, or at its SLO horizon (below): about start
+(10 s) + D + the clients' give-up (6 s) + the longest output at the step time, 55 s at D = 36 on
+the H200; the TPOT SLO (75 ms: 13 tokens/s, faster than anyone reads, and room over the 30-45
+ms a loaded engine's steps take with prefills in them) keeps the horizon at 2 + 448 x 0.075 + 1
+= 37 s. The plan, per variant, is printed up front.
+
 Metrics: requests within both SLOs (TTFT and TPOT) per engine and in total; goodput (requests
-within SLO per second of arrivals); preemptions; queue waits (request-seconds waiting, and those
-waiting while the batch had room: queued for memory); the time to take memory back from an idle
-engine (shared runs, from the share's ledger sampled every 50 ms: from a sample where a member is
-blocked on the share's budget while another holds a page or more mapped beyond what it uses, to
-the first sample where that one's committed bytes dropped); KV memory held over time per engine
-(a plot, one panel per variant). A client gives up on a request with no token after
-``give_up_factor`` TTFT SLOs (it would miss the SLO anyway); a run ends at its SLO horizon (the last
-arrival + the TTFT SLO + the longest output at the TPOT SLO: no request within both SLOs finishes
-later), and what is unfinished then is counted as cut.
+within SLO per second of arrivals); preemptions; queue waits (request-seconds waiting; of them,
+those while admission was held for compute, and those while the batch had room otherwise: queued
+for memory); the limits' oscillation in shared runs (each member's limit in force from the
+ledger: the most direction changes and fall->rise turns in any second, and the closest two
+turns, against the policy's bound of one fall->rise turn per 300 ms regrow hold); the time to
+take memory back from an idle engine (shared runs, from the share's ledger sampled every 50 ms:
+from a sample where a member is blocked on the share's budget while another holds a page or more
+mapped beyond what it uses, to the first sample where that one's committed bytes dropped); KV
+memory held over time per engine (a plot, one panel per variant). A client gives up on a request
+with no token after ``give_up_factor`` TTFT SLOs (it would miss the SLO anyway); a run ends at
+its SLO horizon (the last arrival + the TTFT SLO + the longest output at the TPOT SLO: no
+request within both SLOs finishes later), and what is unfinished then is counted as cut.
 
 Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (issue 19's
 plugin, kvasync.integrations.vllm); it is not wired yet and says so.
 
 Usage: python bench/bench_colocate_many.py --preset tiny --device cpu --engines 2 --duration 10
+On the H200 (one call, about 7 minutes with the build):
+  python bench/bench_colocate_many.py --preset small --device cuda --engines 4 2 --duration 36 \
+    --compute-duration 12 --calibration-s 6 --best-static "shared peaks"
 Writes the tables (results_<preset>.md), the plots (PNG) and summary.json to --out.
 """
 
@@ -110,7 +152,7 @@ class Regime:
     # Admission holds while the engine's recent step time is above this share of the TPOT SLO
     # (EngineConfig.step_target): the rest is room for the steps that carry prefills and for
     # the other engines' kernels between its steps.
-    step_target_frac: float = 0.6
+    step_target_frac: float = 0.8
 
 
 REGIMES = {
@@ -119,10 +161,11 @@ REGIMES = {
     # this preset checks the harness end to end, not the regime).
     "tiny": Regime(8, 64, (32, 128), (48, 128), 64, 1024, 2.0, 0.1),
     # small, cuda: 48 MiB page ids of 4096 tokens (12 KiB a token); 1536 MiB = 32 page ids =
-    # 128k tokens. Decode-heavy (the docstring's arithmetic): prompts of 128-512 tokens, outputs
-    # of 256-640; TPOT SLO 75 ms (13 tokens/s, faster than anyone reads; a 640-token answer
-    # within 50 s), so that the SLO horizon stays under a minute (2 + 640 x 0.075 + 1 = 51 s).
-    "small": Regime(1536, 256, (128, 512), (256, 640), 256, 4096, 2.0, 0.075),
+    # 128k tokens. Decode-heavy (the docstring's arithmetic): prompts of 160-640 tokens, outputs
+    # of 192-448; TPOT SLO 75 ms (13 tokens/s, faster than anyone reads; the steps of a loaded
+    # engine, 30-45 ms on the H200 with prefills in them, leave room), so that the SLO horizon
+    # stays short (2 + 448 x 0.075 + 1 = 37 s).
+    "small": Regime(1536, 320, (160, 640), (192, 448), 256, 4096, 2.0, 0.075),
 }
 
 
@@ -435,25 +478,31 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
             start = time.monotonic()
             log.start, first_step = start, len(log.steps)
 
-            async def one(index: int, request: TraceRequest) -> float:
+            async def one(index: int, request: TraceRequest) -> tuple[float, float, float]:
                 await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
                 prompt = prompt_text(98, 0, index, request.prompt_tokens)
-                began = time.monotonic()
-                await engine.complete(prompt, max_tokens=request.max_tokens)
-                return time.monotonic() - began
+                record = (await engine.complete(prompt, max_tokens=request.max_tokens)).record
+                assert record is not None and record.first_token is not None
+                tpot = record.tpot or 0.0
+                # KV is held from admission (about a step before the first token) to the end;
+                # the wait in the queue before it holds none.
+                return record.ttft or 0.0, record.finish - record.first_token + tpot, tpot
 
             with MemorySampler(lambda: kv.stats().used_blocks, SAMPLE_S) as used:
                 used.start = start
-                lifetimes = await asyncio.wait_for(
+                lives = await asyncio.wait_for(
                     asyncio.gather(*(one(i, r) for i, r in enumerate(trace))), 300
                 )
             end = trace[-1].arrival
             steady = [n for t, n in used.samples if end / 2 <= t <= end]
             results["stream"] = {
                 "mean_used_blocks": float(np.mean(steady)) if steady else 0.0,
-                "mean_lifetime_s": float(np.mean(lifetimes)),
+                "mean_ttft_s": float(np.mean([t for t, _, _ in lives])),
+                "mean_kv_life_s": float(np.mean([k for _, k, _ in lives])),
+                "mean_tpot_s": float(np.mean([p for _, _, p in lives])),
+                "most_running": max((b for _, _, b, _ in log.steps[first_step:]), default=0),
                 "requests": len(trace),
-                # The steps while it was steady: mixed prefill and decode, as in the runs.
+                # The steps once steady: prefills and decodes mixed, as in the runs.
                 "steady_step_s": float(
                     np.mean(
                         [d for t, d, _, _ in log.steps[first_step:] if end / 2 <= t <= end]
@@ -1147,7 +1196,7 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
                     else "-"
                 ),
                 (
-                    f"{s['limit turns/s max']:.0f} ({fmt(s['limit closest turns ms'])})"
+                    f"{s['limit turns/s max']:.0f} ({fmt(s['limit closest turns ms'], 6)})"
                     if s["splits MiB"][0] is None
                     else "-"
                 ),
@@ -1421,7 +1470,7 @@ def regime_text(case: Case, capacity: float | None, step_full: float | None) -> 
         f"\n**Limit oscillation** (shared; each member's limit in force, from the ledger every "
         f"{1e3 * LEDGER_SAMPLE_S:.0f} ms): at most {shared['limit changes/s max']:.0f} direction "
         f"changes and {shared['limit turns/s max']:.0f} fall->rise turns in any second; the "
-        f"closest two turns at most {fmt(shared['limit closest turns ms'])} ms apart. The "
+        f"closest two turns at most {fmt(shared['limit closest turns ms'], 6)} ms apart. The "
         f"policy's bound (Note [Fair share under pressure]: the {1e3 * REGROW_HOLD_S:.0f} ms "
         f"regrow hold, one fall->rise turn per {1e3 * REGROW_HOLD_S:.0f} ms, at most "
         f"{math.ceil(1 / REGROW_HOLD_S)} in a second): "
@@ -1600,53 +1649,60 @@ def main() -> None:
         # (at least 1: a faster step beside other engines is noise; a loaded CPU gives it)
         contention = max(1.0, step_coloc / step_hot)
         prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
-        # Little's law: the rate that keeps hot_batch requests in flight for their lifetime.
+        points = sorted((b["batch"], b["step_s"]) for b in alone)
+
+        def step_alone(batch: float) -> float:
+            # Decode steps alone, linear between the calibrated batches.
+            return float(np.interp(batch, [b for b, _ in points], [s for _, s in points]))
+
+        # Little's law from the decode steps: the rate that keeps hot_batch requests in flight.
         little = hot_batch / (step_coloc * (prefill_steps + mean_output))
-
-        def prefill_load(rate: float) -> float:
-            # The device's share spent on all engines' prefills at that hot rate.
-            return rate * (1 + (n_max - 1) * regime.cold_weight) * mean_prompt / prefill_tps
-
-        def step_at(batch: float, rate: float) -> float:
-            # The hot engine's step co-located, at a batch: the measured steps alone (linear
-            # between the calibrated batches), times the contention measured at hot_batch,
-            # stretched by the prefills (steps carry them).
-            points = sorted((b["batch"], b["step_s"]) for b in alone)
-            alone_s = float(np.interp(batch, [b for b, _ in points], [s for _, s in points]))
-            return alone_s * contention / max(0.05, 1 - prefill_load(rate))
-
-        # Compute must not bind: the hot engine's co-located step at its batch stays within the
-        # step target (compute_cap of the TPOT SLO; the engines hold admission above it). Where
-        # it does not, the batch (and the working set with it) is lowered until it does.
-        cap_s = args.compute_cap * regime.slo_tpot_s
-        batch = hot_batch
-        while batch > 1 and step_at(batch, little * batch / hot_batch) > cap_s:
-            batch -= 1
-        capped = batch < hot_batch
-        rate0 = little * batch / hot_batch
-        # Checked by replaying that rate on one engine alone; the lifetime it measured (with the
-        # prefills and admission in it) replaces the estimate, scaled by the contention.
+        # The lifetime measured: a stream on one engine alone, at a rate that should not fill
+        # its batch (steps that carry prefills are slower than decode steps: 1.5x a guess, the
+        # H200 gave 1.9x at this shape), replayed; the KV a request holds is from its admission
+        # to its end (its wait in the queue holds none).
+        stream_rate = little / 1.5
         stream = memory_bound_traces(
             dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
             1,
             args.calibration_s,
-            rate0,
+            stream_rate,
             args.seed + 2000,
         )[0]
         measured = harness.calibrate(regime, [], stream)["stream"]
-        mean_life = float(measured["mean_lifetime_s"]) * contention
-        held_est = rate0 * mean_life * held_tokens * geo.token_bytes  # Little, measured life
-        target = regime.hot_fill * budget * batch / hot_batch
-        # NOTE: the scale is kept within [1/2, 2]: far outside it the engine was not in the
-        # regime the estimate assumes (saturated, or nearly idle), and held KV is not linear.
-        scale = min(2.0, max(0.5, target / held_est)) if held_est > 0 else 1.0
-        while scale > 1.0 and step_at(batch * scale, rate0 * scale) > cap_s:
-            scale = max(1.0, scale - 0.02)  # more KV, not more than compute carries
-        hot_rate = rate0 * scale
+        stream_batch = max(1, int(measured["most_running"]))
+        # Steps with prefills in them against decode steps alone, at the stream's batch.
+        mixed = max(1.0, measured["mean_tpot_s"] / step_alone(stream_batch))
+
+        def step_at(batch: float) -> float:
+            # The hot engine's step co-located in a run, at a batch: decode steps alone, times
+            # the prefills' share measured in the stream, times the contention measured beside
+            # the cold engines.
+            return step_alone(batch) * mixed * contention
+
+        # Compute must not bind: the hot engine's step at its batch stays within compute_cap of
+        # the TPOT SLO (by default the step target, above which the engines hold admission).
+        # Where it does not, the batch (and the working set with it) is lowered until it does.
+        cap_s = args.compute_cap * regime.slo_tpot_s
+        batch = hot_batch
+        while batch > 1 and step_at(batch) > cap_s:
+            batch -= 1
+        capped = batch < hot_batch
+        # The lifetime co-located at that batch (the stream's, at the step's ratio), and the hot
+        # rate by Little's law: batch requests in flight.
+        kv_life_stream = float(measured["mean_kv_life_s"])
+        mean_life = kv_life_stream * contention * step_alone(batch) / step_alone(stream_batch)
+        hot_rate = batch / mean_life
         working_set = hot_rate * mean_life * held_tokens * geo.token_bytes
+        saturated = stream_batch >= regime.max_batch
+        full = " (its whole batch: saturated, the lifetime is too long)" if saturated else ""
 
         def lifetime(r: TraceRequest) -> float:
             return mean_life * (prefill_steps + r.max_tokens) / (prefill_steps + mean_output)
+
+        def prefill_load(rate: float) -> float:
+            # The device's share spent on all engines' prefills at that hot rate.
+            return rate * (1 + (n_max - 1) * regime.cold_weight) * mean_prompt / prefill_tps
 
         emit(
             f"**Calibration** (one engine alone): decode step {1e3 * step_full:.1f} ms at full "
@@ -1660,19 +1716,24 @@ def main() -> None:
             f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
             f"({regime.hot_fill * budget / MIB:.0f} MiB, {hot_batch} requests), "
             f"{regime.hot_fill * n_max:.1f}x a 1/{n_max} partition. Little's law with the "
-            f"co-located step: {little:.2f} req/s. Replayed for {args.calibration_s:.0f} s on "
-            f"one engine alone at {rate0:.2f} req/s, requests lived "
-            f"{measured['mean_lifetime_s']:.2f} s (estimated "
-            f"{step_hot * (prefill_steps + mean_output):.2f} s alone), {mean_life:.2f} s "
-            f"co-located; so the hot rate is {rate0:.2f} x {scale:.3g} (target / held, within "
-            f"[1/2, 2]) = {hot_rate:.2f} req/s, a working set of {working_set / MIB:.0f} MiB; "
-            f"cold engines get {regime.cold_weight:.0%} of it; bursts x{regime.burst_factor} "
-            f"for {regime.burst_s} s, {regime.bursts_per_min:g}/min per engine.\n\n"
-            f"**Compute check**: the hot engine's co-located step at batch {batch}, with the "
-            f"prefills ({prefill_load(hot_rate):.1%} of the device), is "
-            f"{1e3 * step_at(batch * scale, hot_rate):.1f} ms against a cap of "
-            f"{1e3 * cap_s:.0f} ms ({args.compute_cap:.0%} of the TPOT SLO; the engines hold "
-            f"admission above {1e3 * step_target:.0f} ms)"
+            f"co-located decode step: {little:.2f} req/s. A stream of {stream_rate:.2f} req/s "
+            f"for {args.calibration_s:.0f} s on one engine alone ran up to {stream_batch} "
+            f"requests at once{full}; "
+            f"a token took {1e3 * measured['mean_tpot_s']:.1f} ms (x{mixed:.2f} a decode step: "
+            f"the prefills), steps {1e3 * measured['steady_step_s']:.1f} ms once steady, "
+            f"TTFT {measured['mean_ttft_s']:.2f} s; a request held its KV "
+            f"{kv_life_stream:.2f} s (estimated {step_hot * (prefill_steps + mean_output):.2f} "
+            f"s from decode steps), {mean_life:.2f} s co-located at batch {batch}. So the hot "
+            f"rate is {batch} / {mean_life:.2f} s = {hot_rate:.2f} req/s (a working set of "
+            f"{working_set / MIB:.0f} MiB); cold engines get {regime.cold_weight:.0%} of it; "
+            f"bursts x{regime.burst_factor} for {regime.burst_s} s, "
+            f"{regime.bursts_per_min:g}/min per engine.\n\n"
+            f"**Compute check**: the hot engine's step co-located at batch {batch} (decode "
+            f"{1e3 * step_alone(batch):.1f} ms x{mixed:.2f} prefills x{contention:.2f} "
+            f"contention; prefills {prefill_load(hot_rate):.1%} of the device) is "
+            f"{1e3 * step_at(batch):.1f} ms against a cap of {1e3 * cap_s:.0f} ms "
+            f"({args.compute_cap:.0%} of the TPOT SLO; the engines hold admission above "
+            f"{1e3 * step_target:.0f} ms)"
             + (
                 f". **Capped by compute**: at batch {batch} (not {hot_batch}) the hot working "
                 f"set is below its target, so these request shapes cannot make memory bind on "
@@ -1701,7 +1762,9 @@ def main() -> None:
             "cold_batch": cold_batch,
             "capped_batch": batch,
             "little_rate": little,
-            "rate0": rate0,
+            "stream_rate": stream_rate,
+            "mixed": mixed,
+            "contention": contention,
             "prefill_tok_s": prefill_tps,
             "stream": measured,
             "lifetime_s": mean_life,
