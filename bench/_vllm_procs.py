@@ -27,12 +27,21 @@ BENCH = pathlib.Path(__file__).resolve().parent / "bench_vllm.py"
 
 
 class Stalled(Exception):
-    """An engine did not reach an event within its deadline."""
+    """An engine did not reach an event within its deadline (``cut``: the deadline was the
+    run's end, shorter than the step's own, so this is no evidence of a hang)."""
 
-    def __init__(self, name: str, what: str, elapsed: float) -> None:
-        super().__init__(f"{name}: no '{what}' within {elapsed:.1f} s (hang)")
+    def __init__(self, name: str, what: str, elapsed: float, cut: bool = False) -> None:
+        why = "the run's --budget-s ended the wait, not a hang" if cut else "hang"
+        super().__init__(f"{name}: no '{what}' within {elapsed:.1f} s ({why})")
         self.what = what
         self.elapsed = elapsed
+        self.cut = cut
+
+
+class Deadline(float):
+    """A ``time.monotonic`` deadline that knows whether the run's end shortened it."""
+
+    cut: bool = False
 
 
 class Died(Exception):
@@ -71,9 +80,20 @@ class Clock:
         part.end = min(end, self.end)
         return part
 
-    def by(self, seconds: float) -> float:
+    def by(self, seconds: float) -> Deadline:
         """An absolute deadline ``seconds`` from now, never past the run's end."""
-        return min(time.monotonic() + seconds, self.end)
+        own = time.monotonic() + seconds
+        deadline = Deadline(min(own, self.end))
+        deadline.cut = own > self.end
+        return deadline
+
+    def grace(self, seconds: float) -> Deadline:
+        """A deadline for winding down (an engine told to stop reports what it did): up to 20 s
+        past the run's end, so that a run out of time still keeps its engines' results."""
+        own = time.monotonic() + seconds
+        deadline = Deadline(min(own, self.end + 20.0))
+        deadline.cut = own > self.end + 20.0
+        return deadline
 
     def need(self, seconds: float, what: str) -> None:
         """Raises OutOfTime when fewer than ``seconds`` are left for ``what``."""
@@ -213,7 +233,8 @@ class Engine:
                     return found
                 raise Died(self.name, what, time.monotonic() - since, self.error_line())
             if time.monotonic() > deadline:
-                raise Stalled(self.name, what, time.monotonic() - since)
+                cut = bool(getattr(deadline, "cut", False))
+                raise Stalled(self.name, what, time.monotonic() - since, cut)
             time.sleep(0.05)
 
     def wait_exit(self, deadline: float) -> float | None:

@@ -222,7 +222,7 @@ def report_seed_a(data: dict[str, Any], out: pathlib.Path) -> None:
                 fmt(s["output_tokens"] / s["served_s"], 0) if s.get("served_s") else "-",
                 fmt(s.get("shutdown_s")),
                 str(len(during)),
-                "yes" if s.get("first_alive") else "no",
+                {True: "yes", False: "no"}.get(s.get("first_alive"), "-"),
             ]
         )
     print_table(

@@ -88,13 +88,16 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
                 served = engine.wait("served", run.clock.by(30))
                 record["served_s"] = served["seconds"]
                 record["output_tokens"] = served["output_tokens"]
-                done = engine.wait("done", run.clock.by(30))
+                done = engine.wait("done", run.clock.grace(30))
                 record["shutdown_s"] = done["shutdown_s"]
-                engine.wait_exit(run.clock.by(15))
+                engine.wait_exit(run.clock.grace(15))
                 hangs_in_a_row = 0
             except Stalled as error:
-                record["hang"] = {"what": error.what, "elapsed_s": error.elapsed}
-                hangs_in_a_row += 1
+                if error.cut:
+                    record["failure"] = str(error)
+                else:
+                    record["hang"] = {"what": error.what, "elapsed_s": error.elapsed}
+                    hangs_in_a_row += 1
                 print(f"   {error}", flush=True)
             except (Died, OutOfTime) as error:
                 record["failure"] = str(error)
@@ -111,7 +114,7 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
                 break
         stop.write_text("stop")
         try:
-            first.wait("result", run.clock.by(60))
+            first.wait("result", run.clock.grace(60))
         except FAILURES as error:
             data["first_failure"] = f"did not stop: {error}"
         data["first"] = first.result()
@@ -227,7 +230,7 @@ def release_attempt(
     record["trigger"] = trigger or "none (released when the second was up, ended or late)"
     record["release_at_s"] = time.monotonic() - second.went
     release.write_text("release")
-    exited = first.wait_exit(run.clock.by(20))
+    exited = first.wait_exit(run.clock.grace(20))
     record["first_gone_at_s"] = None if exited is None else time.monotonic() - second.went
     spawn_next()
     try:
@@ -236,7 +239,7 @@ def release_attempt(
         record["start_s"] = up["start_s"]
         served = second.wait("served", run.clock.by(30))
         record["served_tokens"] = served["output_tokens"]
-        second.wait_exit(run.clock.by(40))
+        second.wait_exit(run.clock.grace(40))
     except Died as error:
         record["started"] = bool(second.event("up"))
         record["error"] = error.error
