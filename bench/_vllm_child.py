@@ -312,7 +312,7 @@ def task_phases(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any
     sampler.mark("trickle")
     trickle = generate(llm, "trickle", count, prompt_len, output_len)
     sampler.mark("end")
-    time.sleep(1.0)
+    time.sleep(0.5)
     return {
         "rounds": rounds,
         "trickle_digests": [tokens_digest(o.outputs[0].token_ids) for o in trickle],

@@ -16,7 +16,7 @@ that order within ``--budget-s``):
     Engines one after another: stock, kvasync, stock, kvasync (``--runs``); ``--with-mp`` puts
     kvasync on the multiprocess executor third. Each: a warm-up of every shape the rounds use,
     ``--rounds`` (3) equal rounds of 256 requests of 512 + 128 tokens (output tok/s of each; each
-    output's digest), 2 s idle, a trickle of 8. Reports the outputs token-identical to the first
+    output's digest), 1.5 s idle, a trickle of 8. Reports the outputs token-identical to the first
     stock run's (3 x 256 + 8 requests), each run's rounds, the spread (max - min over the mean) of
     the stock runs and of the kvasync runs next to their ratio, start times, and the device's used
     memory and kvasync's mapped KV over time (plot). The next engine imports vLLM while the
@@ -125,7 +125,7 @@ def mode_identity(run: Run) -> dict[str, Any]:
         "warmup": [[32, 128, 16], [16, 1024, 16], [64, 512, 32]],
         "rounds": args.rounds,
         "round": [256, 512, 128],
-        "idle_s": 2.0,
+        "idle_s": 1.5,
         "trickle": [8, 128, 32],
     }
 
@@ -284,7 +284,7 @@ def mode_two(run: Run) -> dict[str, Any]:
     return data
 
 
-RESERVE_S = {"identity": 150.0, "two": 100.0, "seed-a": 100.0, "release": 80.0, "colocate": 60.0}
+RESERVE_S = {"identity": 170.0, "two": 100.0, "seed-a": 130.0, "release": 80.0, "colocate": 60.0}
 
 RUNNERS = {
     "identity": mode_identity,
