@@ -395,7 +395,7 @@ def task_trace(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any]
     prompts = []
     for index, request in enumerate(plan):
         prompt = TokensPrompt(
-            prompt_token_ids=prompt_tokens(spec["name"], index, request["prompt_len"])
+            prompt_token_ids=prompt_tokens(args["salt"], index, request["prompt_len"])
         )
         prompts.append(render([prompt])[0] if render is not None else prompt)
     records: dict[str, dict[str, Any]] = {}

@@ -224,6 +224,7 @@ def mode_two(run: Run) -> dict[str, Any]:
                     "warmup": [16, 1536, 16],
                     "trace_go": str(trace_go),
                     "plan": plan[index],
+                    "salt": f"trace-{label}",  # the same prompts in every variant
                     "max_s": trace_end + 60,
                 },
                 utilization=0.2 if kind == "stock" else 0.3,
