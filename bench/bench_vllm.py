@@ -109,6 +109,10 @@ from _vllm_procs import (
 from _vllm_starts import mode_colocate, mode_release, mode_seed_a
 
 MODES = ("identity", "seed-a", "release", "two", "colocate")
+REFERENCE_NOT_RUN = (
+    "not run: building it from source on the device machine is not scripted in bench/ (its "
+    "figures in RESULTS.md come from another machine), and this call has no time to spare"
+)
 
 
 # -- identity, throughput, start, memory -------------------------------------------------------
@@ -380,6 +384,10 @@ def main() -> None:
         summary["wall_s"] = time.monotonic() - whole.t0
         (args.out / "summary.json").write_text(json.dumps(summary))
         report.report_mode(mode, data, args.out)
+    if args.all:
+        summary["reference"] = REFERENCE_NOT_RUN
+        (args.out / "summary.json").write_text(json.dumps(summary))
+        print(f"\nreference allocator (kvcached): {REFERENCE_NOT_RUN}")
     print(f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out}", flush=True)
 
 
