@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from _tables import print_table
+from _vllm_child import AFTER_SNAPSHOT
 
 from kvasync._stats import percentile
 
@@ -300,6 +301,7 @@ def report_release(data: dict[str, Any], out: pathlib.Path) -> None:
                 a["variant"],
                 str(a["attempt"]),
                 fmt(a.get("release_at_s")),
+                "log line" if a.get("trigger") in AFTER_SNAPSHOT else "none",
                 fmt(a.get("first_gone_at_s")),
                 "yes" if a.get("started") else "no",
                 fmt(a.get("start_s")),
@@ -311,13 +313,14 @@ def report_release(data: dict[str, Any], out: pathlib.Path) -> None:
             "engines",
             "attempt",
             "first told to leave, s after the second's go",
+            "on the second's 'loading the model'",
             "first gone, s",
             "second started",
             "start s",
             "error",
         ],
         rows,
-        justify=["left", "right", "right", "right", "left", "right", "left"],
+        justify=["left", "right", "right", "left", "right", "left", "right", "left"],
     )
     for variant in ("stock", "kvasync"):
         tried = [a for a in data["attempts"] if a["variant"] == variant and "release_at_s" in a]
