@@ -169,7 +169,8 @@ class Sampler(threading.Thread):
 def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
     """What the sampler reads in this engine: the device's used memory, the kvasync allocator's
     mapped bytes (its own allocator when the worker is in this process, else the share's
-    ledger: with the multiprocess executor the worker is another process), vLLM's KV usage."""
+    ledger: with the multiprocess executor the worker is another process), vLLM's KV usage
+    (the fraction its block pool reports) and the KV its requests hold, in GiB."""
     import torch
 
     found: dict[str, Callable[[], float]] = {}
@@ -200,10 +201,21 @@ def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
 
             found["mapped_gib"] = ledger_mapped
     try:
+        cache = llm.llm_engine.vllm_config.cache_config
+        block_gib = int(cache.block_size) * TOKEN_KV_BYTES / GIB
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        found["kv_usage"] = lambda: float(scheduler.kv_cache_manager.usage)
+        pool = scheduler.kv_cache_manager.block_pool
     except AttributeError:  # the engine core in another process: no usage figure
-        pass
+        return found
+    found["kv_usage"] = lambda: float(scheduler.kv_cache_manager.usage)
+    kvasync_pool = getattr(pool, "kvasync_allocator", None)
+    if kvasync_pool is not None:
+        # Its usage is over what the budget allows now, not over the capacity: count blocks
+        # (less vLLM's null block).
+        found["kv_used_gib"] = lambda: (kvasync_pool.stats().used_blocks - 1) * block_gib
+    else:
+        usable = int(cache.num_gpu_blocks or 0) - 1  # vLLM's null block is never handed out
+        found["kv_used_gib"] = lambda: float(scheduler.kv_cache_manager.usage) * usable * block_gib
     return found
 
 

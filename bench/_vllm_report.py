@@ -345,7 +345,7 @@ def engine_rows(variant: str, label: str, result: dict[str, Any], slo: float) ->
     end = max((r["finished"] for r in finished), default=math.nan)
     samples = result.get("samples", [])
     mapped = [s.get("mapped_gib", math.nan) for s in samples]
-    in_use = [s.get("kv_usage", math.nan) * result["kv_capacity_gib"] for s in samples]
+    in_use = [s.get("kv_used_gib", math.nan) for s in samples]
     peak = max((m for m in mapped if not math.isnan(m)), default=math.nan)
     peak_use = max((m for m in in_use if not math.isnan(m)), default=math.nan)
     return [
@@ -437,7 +437,7 @@ def plot_two(data: dict[str, Any], out: pathlib.Path) -> None:
             mapped = [s.get("mapped_gib", math.nan) for s in samples]
             if any(not math.isnan(m) for m in mapped):
                 ax.plot(xs, mapped, label=f"{label}: mapped KV")
-            used = [s.get("kv_usage", math.nan) * result["kv_capacity_gib"] for s in samples]
+            used = [s.get("kv_used_gib", math.nan) for s in samples]
             ax.plot(xs, used, ls="--", label=f"{label}: KV in use")
             if variant.startswith("static"):  # each engine's half
                 ax.axhline(data["budget_gib"] / 2, color="grey", ls=":", lw=0.8)
