@@ -16,6 +16,8 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -314,8 +316,20 @@ class Run:
         self.args = args
         self.clock = Clock(args.budget_s)
         self.out: pathlib.Path = args.out
+        # Each engine's spec, events, log and result: many files, so not in ``out`` (a device
+        # call brings back at most 8 files); ``archive`` packs them into one.
+        self.work: pathlib.Path = args.work or pathlib.Path(tempfile.mkdtemp(prefix="vllm-bench-"))
         self.model_dir = write_model_config(pathlib.Path.home() / "llama-1b-config")
         self.tag = f"{os.getpid()}"
+
+    def archive(self) -> pathlib.Path:
+        """``out/engines.tar.gz``: every engine's files so far."""
+        target = self.out / "engines.tar.gz"
+        staging = self.out / ".engines.tar.gz.tmp"
+        with tarfile.open(staging, "w:gz") as tar:
+            tar.add(self.work, arcname="engines")
+        os.replace(staging, target)
+        return target
 
     def spec(self, kind: str, task: str, task_args: dict[str, Any], **extra: Any) -> dict[str, Any]:
         executor = extra.pop("executor", self.args.executor)

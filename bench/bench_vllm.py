@@ -78,19 +78,22 @@ Usage (on the GPU machine, vLLM importable)::
     python3 bench/bench_vllm.py --out OUT --mode seed-a release two
     python3 bench/bench_vllm.py --report OUT   # the tables and plots again, from OUT's JSON
 
-Output: markdown tables on stdout, ``OUT/summary.json`` (every mode's data, written after each
-mode), ``OUT/*.png``, and each engine's spec, events, log and result under ``OUT/<mode>/``.
+Output (at most 6 files, so that a device call brings all of them back): the Markdown tables on
+stdout and in ``OUT/report.md``, ``OUT/summary.json`` (every mode's data, written after each
+mode), ``OUT/vllm_*.png``, and ``OUT/engines.tar.gz`` (each engine's spec, events, log and
+result, by mode; the engines write them under ``--work``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import _vllm_report as report
 from _vllm_child import alternating_trace
@@ -120,7 +123,7 @@ REFERENCE_NOT_RUN = (
 
 def mode_identity(run: Run) -> dict[str, Any]:
     args = run.args
-    folder = run.out / "identity"
+    folder = run.work / "identity"
     variants = list(args.runs)
     if args.with_mp:  # third: if the run's time runs short, what is cut is a repeat
         variants.insert(min(2, len(variants)), "kvasync-mp")
@@ -192,7 +195,7 @@ TWO_VARIANTS = ("shared", "static-stock", "static-kvasync")
 
 def mode_two(run: Run) -> dict[str, Any]:
     args = run.args
-    folder = run.out / "two"
+    folder = run.work / "two"
     budget = parse_gib(args.two_budget)
     half = budget // 2
     plan = alternating_trace(
@@ -300,13 +303,38 @@ RUNNERS = {
 }
 
 
+class Tee(io.TextIOBase):
+    """Writes to the terminal and to a file."""
+
+    def __init__(self, terminal: TextIO, copy: TextIO) -> None:
+        self.terminal = terminal
+        self.copy = copy
+
+    def write(self, text: str) -> int:
+        self.terminal.write(text)
+        self.copy.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.terminal.flush()
+        self.copy.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n", 1)[0].replace("\n", " "),
         epilog="Modes and sizes: see the module's docstring.",
     )
     parser.add_argument("--child", type=pathlib.Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("vllm-bench"))
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("vllm-bench"),
+        help="summary.json, report.md, the plots, engines.tar.gz (6 files at most)",
+    )
+    parser.add_argument(
+        "--work", type=pathlib.Path, help="each engine's files (default: a new folder in /tmp)"
+    )
     parser.add_argument("--mode", nargs="+", choices=MODES, default=["identity"])
     parser.add_argument(
         "--all", action="store_true", help="identity (with mp), seed-a, release, two"
@@ -359,6 +387,8 @@ def main() -> None:
     for variant in args.runs:
         variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
     args.out.mkdir(parents=True, exist_ok=True)
+    # What is printed is also kept (a device call returns only the end of the output).
+    sys.stdout = Tee(sys.stdout, (args.out / "report.md").open("w"))
     run = Run(args)
     summary: dict[str, Any] = {
         "argv": sys.argv[1:],
@@ -384,11 +414,16 @@ def main() -> None:
         summary["wall_s"] = time.monotonic() - whole.t0
         (args.out / "summary.json").write_text(json.dumps(summary))
         report.report_mode(mode, data, args.out)
+        run.archive()
     if args.all:
         summary["reference"] = REFERENCE_NOT_RUN
         (args.out / "summary.json").write_text(json.dumps(summary))
         print(f"\nreference allocator (kvcached): {REFERENCE_NOT_RUN}")
-    print(f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out}", flush=True)
+    print(
+        f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out} (each engine's "
+        f"files in {args.out / 'engines.tar.gz'})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
