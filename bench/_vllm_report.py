@@ -494,7 +494,7 @@ def report_mode(mode: str, data: dict[str, Any], out: pathlib.Path) -> None:
             return
     try:
         REPORTS[mode](data, out)
-    except (KeyError, TypeError, ValueError) as error:  # the data is kept; the report is not
+    except Exception as error:  # a report's bug must not cost the run: the data is kept
         print(f"(the {mode} report failed: {type(error).__name__}: {error}; data in summary.json)")
     print(f"({mode}: {data.get('wall_s', math.nan):.0f} s)", flush=True)
 
