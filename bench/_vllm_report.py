@@ -136,7 +136,7 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
         if stock and kind != "stock":
             print(f"{kind} / stock output tok/s: {mean / stock:.3f}")
     # The call's first engine may have compiled kernels at start: its start is not compared.
-    warm = [r for r in done if r is not done[0] and r.get("start_s") is not None]
+    warm = [r for r in done if r["name"] != runs[0]["name"] and r.get("start_s") is not None]
     for kind in by_kind:
         starts = [r["start_s"] for r in warm if r["variant"] == kind]
         if starts:
@@ -376,7 +376,7 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
     totals = []
     for variant, record in data["variants"].items():
         if "engines" not in record:
-            rows.append([variant, "-", *["-"] * 11, record.get("failure", "not run")[:200]])
+            rows.append([variant, record.get("failure", "not run")[:200], *["-"] * 12])
             continue
         all_requests: dict[str, Any] = {}
         for label, result in record["engines"].items():
@@ -473,7 +473,11 @@ def report_colocate(data: dict[str, Any], out: pathlib.Path) -> None:
         ]
         for s in data.get("seconds", [])
     ]
-    print_table(["second engine", "started", "start s", "output tok/s", "error"], rows)
+    print_table(
+        ["second engine", "started", "start s", "output tok/s", "error"],
+        rows,
+        justify=["left", "left", "right", "right", "left"],
+    )
 
 
 REPORTS = {
