@@ -129,7 +129,7 @@ def mode_identity(run: Run) -> dict[str, Any]:
         variants.insert(min(2, len(variants)), "kvasync-mp")
     task_args = {
         # Every shape the rounds use, so no round pays a kernel's first compile.
-        "warmup": [[32, 128, 16], [16, 1024, 16], [64, 512, 32]],
+        "warmup": [[32, 128, 16], [16, 1024, 16], [256, 512, 16]],
         "rounds": args.rounds,
         "round": [256, 512, 128],
         "idle_s": 1.5,
