@@ -228,7 +228,7 @@ def mode_two(run: Run) -> dict[str, Any]:
                 kind,
                 "trace",
                 {
-                    "warmup": [16, 1536, 16],
+                    "warmup": [96, 1536, 32],  # a burst's shapes, before its trace
                     "trace_go": str(trace_go),
                     "plan": plan[index],
                     "salt": f"trace-{label}",  # the same prompts in every variant
