@@ -18,7 +18,7 @@ import torch
 from kvasync import Config, KVLayout, OutOfBlocks, open_allocator_sync
 from kvasync.integrations import vllm as plugin
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
-from kvasync.integrations.vllm._pool import make_block_pool_class
+from kvasync.integrations.vllm._pool import counting_demand, make_block_pool_class
 from kvasync.integrations.vllm._settings import read_settings
 
 try:
@@ -130,7 +130,7 @@ def test_a_seam_with_another_signature_is_refused() -> None:
 
 @needs_vllm
 def test_every_seam_matches_this_vllm() -> None:
-    for seam in (plugin.BLOCK_POOL, *plugin.POOL_METHODS):
+    for seam in (plugin.BLOCK_POOL, plugin.COORDINATOR_COUNT, *plugin.POOL_METHODS):
         seam.resolve()
 
 
@@ -158,7 +158,7 @@ def open_engine(
         if memory_limit is None
         else {"KVASYNC_MEMORY_LIMIT": str(memory_limit)}
     )
-    engine = plugin.host_engine(num_blocks, settings)
+    engine = plugin.host_engine(num_blocks, settings, reserve_pages=(1, 2))
     engine.prefix_cache_blocks = prefix_cache_blocks
     engines.append(engine)
     return engine
@@ -196,15 +196,17 @@ def test_free_blocks_go_back_to_the_allocator_and_pages_unmap(engines: list[Engi
     engine = open_engine(engines, 512)
     pool = make_pool(engine)
     kv = engine.allocator
-    free_before = pool.get_num_free_blocks()
+    available_before = kv.available_blocks()
     blocks = pool.get_new_blocks(200)  # grow: 13 pages
-    assert pool.get_num_free_blocks() == free_before - 200
+    assert kv.available_blocks() == available_before - 200
+    # vLLM's count is what is handed out without waiting: the mapped free blocks.
+    assert pool.get_num_free_blocks() == kv.stats().free_blocks
     grown = kv.stats().mapped_pages
     assert grown >= 13
     pool.free_blocks(reversed(blocks))
     assert kv.stats().used_blocks == 1
     # Pages being unmapped count again once unmapped (they are the mapper's meanwhile).
-    wait_until(lambda: pool.get_num_free_blocks() == free_before, "the free count back")
+    wait_until(lambda: kv.available_blocks() == available_before, "the budget's room back")
     # Shrink: the reserve keeps at most its high watermark (2 pages) beyond the null block's.
     wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping the freed pages")
     assert kv.stats().mapped_pages < grown
@@ -253,7 +255,7 @@ def cache_blocks(pool: Any, blocks: list[Any]) -> None:
 
 
 @needs_vllm
-def test_a_burst_beyond_the_mapped_reserve_waits_for_pages_rather_than_evict_cached_prefixes(
+def test_an_uncounted_burst_beyond_the_reserve_waits_for_pages_rather_than_evict_prefixes(
     engines: list[EngineKV],
 ) -> None:
     # vLLM evicts a cached block only when no uncached block is free; the allocator's unmapped
@@ -298,21 +300,40 @@ def test_cached_prefixes_are_evicted_first_freed_first_for_what_the_limit_lacks(
     assert kv.stats().mapped_pages <= 8
 
 
-def make_request(request_id: str, tokens: int) -> Any:
+def make_request(request_id: str, tokens: int, first_token: int = 0) -> Any:
     params = SamplingParams(max_tokens=17)
     params.update_from_generation_config({}, eos_token_id=100)
     return Request(
         request_id=request_id,
-        prompt_token_ids=list(range(tokens)),
+        prompt_token_ids=list(range(first_token, first_token + tokens)),
         sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(16, sha256),
     )
 
 
+def allocate_when_mapped(manager: Any, request: Any, tokens: int) -> Any:
+    """``allocate_slots`` step after step, as vLLM's scheduler retries a miss, until the pages
+    the misses asked the mapper for are mapped (with a deadline)."""
+    blocks: list[Any] = []
+
+    def allocated() -> bool:
+        blocks[:] = [manager.allocate_slots(request, tokens)]
+        return blocks[0] is not None
+
+    wait_until(allocated, f"allocating {tokens} tokens for {request.request_id}")
+    return blocks[0]
+
+
 def make_manager(monkeypatch: pytest.MonkeyPatch, engine: EngineKV, *, caching: bool) -> Any:
     init_none_hash(sha256)
     monkeypatch.setattr(vllm_coordinator, "BlockPool", pool_class(engine))
+    coordinator = vllm_coordinator.KVCacheCoordinator
+    monkeypatch.setattr(
+        coordinator,
+        "get_num_blocks_to_allocate",
+        counting_demand(coordinator.get_num_blocks_to_allocate),
+    )
     config = KVCacheConfig(
         num_blocks=engine.allocator.num_blocks,
         kv_cache_tensors=[],
@@ -340,7 +361,7 @@ def test_a_budget_shortage_is_a_scheduling_miss_and_preempting_frees_room(
     engine = open_engine(engines, 1024, memory_limit=4 * 64 << 10)
     manager = make_manager(monkeypatch, engine, caching=False)
     first, second = make_request("a", 40 * 16), make_request("b", 40 * 16)
-    assert manager.allocate_slots(first, 40 * 16) is not None
+    allocate_when_mapped(manager, first, 40 * 16)  # beyond the reserve: a step's misses
     outcome: list[Any] = []
     worker = threading.Thread(target=lambda: outcome.append(manager.allocate_slots(second, 640)))
     worker.start()
@@ -362,7 +383,7 @@ def test_requests_grow_and_shrink_through_vllms_manager(
     kv = engine.allocator
     requests = [make_request(str(i), 300 + i) for i in range(8)]
     for request in requests:
-        assert manager.allocate_slots(request, request.num_tokens) is not None
+        allocate_when_mapped(manager, request, request.num_tokens)
     held = sum(len(manager.get_block_ids(r.request_id)[0]) for r in requests)
     assert kv.stats().used_blocks >= 1 + held
     assert kv.stats().mapped_pages >= -(-held // BLOCKS_PER_PAGE)
@@ -371,9 +392,124 @@ def test_requests_grow_and_shrink_through_vllms_manager(
     # Prompts of distinct tokens: their full blocks are cached (no bound given), the partial
     # last blocks went back.
     assert kv.stats().used_blocks == 1 + manager.block_pool.free_block_queue.num_free_blocks
+    assert manager.block_pool.num_pocket_blocks == 0  # idle: nothing promised is kept
     assert manager.reset_prefix_cache()
     assert kv.stats().used_blocks == 1
     wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping after the requests ended")
+
+
+def open_faulty_engine(engines: list[EngineKV], num_blocks: int, faults: Any) -> EngineKV:
+    """host_engine's allocator with a small reserve and ``faults`` in its mapper thread."""
+    layout = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)
+    config = Config(
+        backend="host",
+        max_blocks=num_blocks,
+        page_size=64 << 10,
+        reserve_pages=(1, 2),
+        faults=faults,
+    )
+    kv = open_allocator_sync(layout, config)
+    hold_null_block(kv, DEADLINE)
+    engine = EngineKV(allocator=kv, owned=True)
+    engines.append(engine)
+    return engine
+
+
+def fill_prefix_cache(manager: Any, requests: int, blocks: int) -> None:
+    """Runs ``requests`` prompts of ``blocks`` full blocks each and frees them: their blocks
+    stay in vLLM's queue with their prefix-cache entries."""
+    for i in range(requests):
+        request = make_request(f"cached-{i}", blocks * 16, first_token=1000 * (i + 1))
+        allocate_when_mapped(manager, request, blocks * 16)
+        manager.free(request)
+
+
+def allocate_in_thread(manager: Any, request: Any, tokens: int) -> Any:
+    """``allocate_slots`` on another thread, failing the test if it does not return in time."""
+    outcome: list[Any] = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(manager.allocate_slots(request, tokens))
+    )
+    worker.start()
+    worker.join(DEADLINE)
+    assert not worker.is_alive(), "allocate_slots waited for the mapper (a stall of the step)"
+    assert len(outcome) == 1, "allocate_slots raised"
+    return outcome[0]
+
+
+@needs_vllm
+def test_a_burst_beyond_the_reserve_is_a_miss_that_maps_ahead_and_evicts_no_prefix(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    from kvasync.testing import FaultInjector
+
+    faults = FaultInjector()
+    engine = open_faulty_engine(engines, 512, faults)
+    manager = make_manager(monkeypatch, engine, caching=True)
+    pool, kv = manager.block_pool, engine.allocator
+    fill_prefix_cache(manager, 10, 10)
+    assert pool.free_block_queue.num_free_blocks == 100
+    burst = 150  # more than the reserve keeps mapped, fewer than the queue holds
+    wait_until(lambda: kv.stats().free_blocks < burst, "a reserve smaller than the burst")
+    faults.hang()  # the mapper cannot map: a step that waited for it would not return
+    request = make_request("burst", burst * 16, first_token=50_000)
+    assert allocate_in_thread(manager, request, burst * 16) is None  # a miss, at once
+    wait_until(lambda: faults.hung_maps > 0, "the mapper mapping ahead for the miss")
+    assert pool.free_block_queue.num_free_blocks == 100  # no prefix dropped for a wait
+    assert len(pool.cached_block_hash_to_block) == 100
+    assert pool.num_map_ahead_misses >= 1
+    faults.release()
+    # The next step finds the pages the miss asked for, and still evicts nothing.
+    allocate_when_mapped(manager, request, burst * 16)
+    assert pool.free_block_queue.num_free_blocks == 100
+    assert kv.stats().used_blocks == 1 + 100 + burst
+
+
+@needs_vllm
+def test_a_running_request_takes_cached_blocks_rather_than_be_preempted_while_pages_map(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    from kvasync.testing import FaultInjector
+
+    faults = FaultInjector()
+    engine = open_faulty_engine(engines, 512, faults)
+    manager = make_manager(monkeypatch, engine, caching=True)
+    pool, kv = manager.block_pool, engine.allocator
+    running = make_request("running", 64 * 16, first_token=70_000)
+    allocate_when_mapped(manager, running, 16 * 16)
+    running.num_computed_tokens = 16 * 16  # the step ran, as the scheduler records it
+    fill_prefix_cache(manager, 10, 10)
+    wait_until(lambda: kv.stats().free_blocks < 48, "a reserve smaller than the chunk")
+    faults.hang()
+    blocks = allocate_in_thread(manager, running, 48 * 16)
+    assert blocks is not None  # not a miss: vLLM would preempt a running request for one
+    mapped = 48 - pool.num_lag_evictions
+    assert pool.free_block_queue.num_free_blocks == 100 - pool.num_lag_evictions
+    assert 0 < pool.num_lag_evictions <= 48 and mapped >= 0
+    assert len(manager.get_block_ids("running")[0]) == 64
+    faults.release()
+
+
+@needs_vllm
+def test_a_failing_map_after_the_count_is_a_miss_not_an_error(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    from kvasync.testing import FaultInjector
+
+    faults = FaultInjector()
+    engine = open_faulty_engine(engines, 512, faults)
+    manager = make_manager(monkeypatch, engine, caching=False)
+    kv = engine.allocator
+    wait_until(lambda: 0 < kv.stats().free_blocks < 100, "the reserve mapped, and small")
+    faults.fail(10_000)  # every map fails as the driver's out-of-memory
+    request = make_request("big", 100 * 16)
+    for _ in range(3):  # each step's count asks the mapper again; each is a miss
+        assert allocate_in_thread(manager, request, 100 * 16) is None
+    wait_until(lambda: kv.stats().map_errors > 0, "the mapper's failure")
+    assert "ENOMEM" in kv.stats().last_error
+    faults.release()
+    allocate_when_mapped(manager, request, 100 * 16)
+    assert kv.stats().used_blocks == 1 + 100
 
 
 def test_the_null_block_is_refused_from_an_allocator_in_use() -> None:

@@ -28,6 +28,9 @@ vLLM v1 at TP=1 runs its scheduler and its worker in one process (the EngineCore
 - Scheduler: ``kv_cache_coordinator.BlockPool`` is the class the coordinator builds; the plugin
   puts a subclass there (``_pool``, Note [Who owns a free block]) whose free blocks are those
   the allocator hands out, on mapped pages. A shortage is vLLM's ordinary scheduling miss.
+  ``KVCacheCoordinator.get_num_blocks_to_allocate`` also tells that pool the count it made,
+  so that what ``get_num_free_blocks`` promises is mapped and the pool's own (Note [Count only
+  what is mapped] in _pool): no step waits for the mapper.
 
 Note [Checked patches]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -49,10 +52,10 @@ memory; each worker process reads ``group_geometry(name)``, reserves a cuda rang
 geometry, runs a ``RankMapper`` on it and returns views over it from the allocation seam. An
 alloc completes only when every rank has mapped its pages (C++ threads, a shared-memory ring, no
 Python on the path), so the pool's contract is unchanged: a block handed out is mapped on every
-rank; a rank that fails or dies fails the alloc within its deadline (see _pool: an alloc that
-fails after vLLM counted its blocks raises, today). A rank must also wait for its own stream
-before an unmap. Not built yet: with the worker in another process the pool finds no allocator
-in its process and refuses to start, saying so.
+rank; a rank that fails or dies fails the map within its deadline, which the pool sees as a
+shortfall, a scheduling miss (Note [Count only what is mapped] in _pool). A rank must also wait
+for its own stream before an unmap. Not built yet: with the worker in another process the pool
+finds no allocator in its process and refuses to start, saying so.
 """
 
 from __future__ import annotations
@@ -127,6 +130,23 @@ BLOCK_POOL = Seam(
         "hash_block_size",
         "enable_kv_cache_events",
         "metrics_collector",
+    ),
+)
+# The coordinator's count of the blocks an allocation needs, which the pool is told (Note [Count
+# only what is mapped] in _pool).
+COORDINATOR_COUNT = Seam(
+    "vllm.v1.core.kv_cache_coordinator",
+    "KVCacheCoordinator.get_num_blocks_to_allocate",
+    (
+        "self",
+        "request_id",
+        "num_tokens",
+        "new_computed_blocks",
+        "num_encoder_tokens",
+        "total_computed_tokens",
+        "num_local_computed_tokens",
+        "num_tokens_main_model",
+        "apply_admission_cap",
     ),
 )
 # The methods of vLLM's BlockPool and FreeKVCacheBlockQueue that the pool overrides or calls.
@@ -205,8 +225,20 @@ def find_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
     )
 
 
-def host_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
-    """A host-backend allocator of ``num_gpu_blocks`` small blocks, for a pool with no worker."""
+def host_engine(
+    num_gpu_blocks: int,
+    settings: PluginSettings,
+    *,
+    reserve_pages: tuple[int, int] | None = None,
+) -> EngineKV:
+    """A host-backend allocator of ``num_gpu_blocks`` small blocks, for a pool with no worker.
+
+    ``reserve_pages`` is its reserve's (low, high) watermark; None maps every page the limit
+    allows before it returns and keeps them mapped. That is the pool vLLM's own tests get: they
+    expect every block they count to be handed out in the same call, as a pool that maps ahead
+    does when the reserve covers the step (Note [Count only what is mapped] in _pool); the
+    plugin's tests set a small reserve to see pages come and go.
+    """
     import torch
 
     from ..._config import Config
@@ -216,17 +248,28 @@ def host_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
 
     # 4 KiB blocks on 64 KiB pages: 16 blocks a page, so tests see pages come and go.
     layout = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)
+    page_size = 64 << 10
+    all_pages = -(-num_gpu_blocks * layout.range_block_bytes // page_size)
     kv = open_allocator_sync(
         layout,
         Config(
             backend="host",
             max_blocks=num_gpu_blocks,
-            page_size=64 << 10,
+            page_size=page_size,
             memory_limit=settings.memory_limit,
-            reserve_pages=(1, 2),
+            reserve_pages=(all_pages, all_pages) if reserve_pages is None else reserve_pages,
         ),
     )
-    hold_null_block(kv, kv.config.default_timeout)
+    try:
+        timeout = kv.config.default_timeout
+        hold_null_block(kv, timeout)
+        if reserve_pages is None and (room := kv.available_blocks()) > 0:
+            # Mapped now; the reserve keeps them. Freed last first, so that ids are handed out
+            # lowest first again, as from a fresh pool (vLLM's tests expect its order).
+            kv.free(kv.alloc(room, timeout=timeout)[::-1])
+    except BaseException:
+        kv.close()
+        raise
     return EngineKV(allocator=kv, owned=True)
 
 
@@ -252,6 +295,7 @@ def register() -> None:
     pool_owner, pool_name, block_pool = BLOCK_POOL.resolve()
     for seam in POOL_METHODS:
         seam.resolve()
+    count = COORDINATOR_COUNT.resolve()
     worker = None
     if not settings.host_pool:
         worker = (
@@ -261,12 +305,13 @@ def register() -> None:
             REQUEST_MEMORY.resolve(),
         )
         settings.capacity_bytes  # noqa: B018 - refuses a missing size now, not at the first request
-    from ._pool import make_block_pool_class
+    from ._pool import counting_demand, make_block_pool_class
 
     pool_class = make_block_pool_class(
         block_pool, functools.partial(find_engine, settings=settings)
     )
     _replace(pool_owner, pool_name, pool_class)
+    _replace(count[0], count[1], counting_demand(count[2]))
     if worker is not None:
         _patch_worker(settings, *worker)
     _registered = True

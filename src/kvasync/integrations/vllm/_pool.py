@@ -3,42 +3,132 @@
 Note [Who owns a free block]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 vLLM's pool starts with every block id free in its ``free_block_queue``. Here a block id is in
-one of three places:
+one of four places:
 
 - the allocator's: free in kvasync, perhaps on no mapped page (most ids, at first);
+- the pool's pocket: taken from the allocator, mapped, promised to the allocation vLLM is
+  counting for (Note [Count only what is mapped]); free to vLLM;
 - vLLM's queue: free to vLLM and on a mapped page; these are freed blocks that keep a
   prefix-cache entry (vLLM evicts them LRU when it needs blocks), at most
   ``prefix_cache_blocks`` of them, and none in the pages the allocator drains;
 - a request's: ``ref_cnt > 0``, mapped.
 
-``get_num_free_blocks`` is vLLM's queue plus ``available_blocks()``: what kvasync can hand out
-now or by mapping within the memory limit and the share's budget. A shortage there is what vLLM
-already handles as a scheduling miss (the request waits, or a running one is preempted). A
-block without a prefix-cache entry goes back to the allocator as soon as vLLM frees it, and
-its page is unmapped as the reserve policy says. ``get_new_blocks`` takes mapped free blocks
-from the allocator first, and waits for the mapper only when the pages ahead of the scheduler
-were not mapped in time: the allocator's reserve keeps at least the blocks of the longest
-request plus one per running sequence mapped and free (its low watermark), refilled by the mapper
-thread in the background.
+A block without a prefix-cache entry goes back to the allocator as soon as vLLM frees it, and its
+page is unmapped as the reserve policy says. The allocator's reserve keeps the blocks of the
+longest request, or of one step's batch, plus one per running sequence mapped and free (its low
+watermark, ``_worker``), refilled by the mapper thread in the background, so that a step's
+blocks are normally mapped before it asks.
+
+Note [Count only what is mapped]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+vLLM's ``KVCacheManager.allocate_slots`` asks the coordinator how many blocks a request needs
+(``get_num_blocks_to_allocate``), compares that with ``get_num_free_blocks()``, returns None
+(a scheduling miss: the request waits, or vLLM preempts) when it is larger, and otherwise calls
+``get_new_blocks`` (once per KV cache group) in the same call, which must then hand every block
+out: it cannot fail or return fewer. So the count is a promise, and a promise kept by waiting for
+the mapper would stall the engine loop (the scheduler step). Instead:
+
+- The coordinator's count is passed to the pool (a checked patch of
+  ``KVCacheCoordinator.get_num_blocks_to_allocate``: the demand ``n``, and whether the request
+  is running: it has computed tokens and no new prefix hits, and this is not an admission
+  check).
+- ``get_num_free_blocks`` then takes up to ``n`` mapped free blocks from the allocator
+  (``alloc_nowait``, never a wait) into the pool's pocket; what it counts beyond the pocket is
+  only what can be handed out without waiting: mapped free blocks and queued cached blocks the
+  rule below lets it evict. The pocket is the promise: those blocks are the pool's, so no trim,
+  drain or neighbour can take them between the count and ``get_new_blocks``.
+- A shortfall the budget can still map is asked of the mapper at once (``alloc_nowait`` of the
+  shortfall, whose miss starts mapping it in the background), and is a miss for this step: the
+  next step finds the pages mapped. A map failure therefore never meets a block vLLM counted:
+  it is a miss again, the mapper's error in ``stats().last_error``.
+- Note [Evict only what the budget lacks]: vLLM evicts a prefix-cache entry only when no
+  uncached block is free. Here the uncached free blocks are the allocator's, mapped or not, so
+  for a waiting request a cached block counts as free only for what the allocator cannot give
+  within its limit and budget (an unmapped page is a wait for the mapper, not a reason to drop
+  a prefix others may hit). For a running request the shortfall may be evicted too: the other
+  outcome of a miss there is a preemption, which costs more than a cached prefix and would
+  cascade (a preempted request's full blocks go to the queue, which the rule does not count).
+- The pocket keeps at most the demand being counted: a smaller demand gives the surplus back,
+  and so does a free that leaves no request holding blocks, so an idle engine's memory goes back
+  as the reserve policy says.
+- A call vLLM did not count (a direct ``get_new_blocks``, as vLLM's pool tests make) falls back
+  to the allocator, waiting up to ``_MAP_WAIT`` for pages the budget allows before evicting
+  what it lacks. vLLM's scheduler in 0.26 makes no such call.
+
+The one promise not kept by the pocket: with mapping ahead counted as a miss, a step whose
+blocks outrun the reserve admits fewer requests (or, for running requests, evicts cached
+prefixes) until the mapper catches up; the worker sizes the reserve to a step so that this is
+rare.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from ..._errors import AllocTimeout, OutOfBlocks, WouldBlock
 from ._engine import EngineKV
 
-__all__ = ["make_block_pool_class"]
+__all__ = ["Demand", "counting_demand", "make_block_pool_class"]
 
 logger = logging.getLogger("kvasync.vllm")
 
-# The longest a step waits for pages the reserve did not cover (a map of a few pages).
+# The longest a call vLLM did not count waits for pages the budget allows (Note [Count only
+# what is mapped]: vLLM's scheduler never makes one).
 _MAP_WAIT = 5.0
+
+
+class Demand(NamedTuple):
+    """What the coordinator counted for the allocation it is about to make."""
+
+    blocks: int
+    running: bool
+
+
+def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
+    """``KVCacheCoordinator.get_num_blocks_to_allocate`` that also tells the coordinator's
+    pool the demand it counted (Note [Count only what is mapped])."""
+
+    def get_num_blocks_to_allocate(
+        self: Any,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[Any], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        blocks = stock(
+            self,
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+        )
+        expect = getattr(self.block_pool, "expect", None)
+        if expect is not None:
+            # Running: it computed tokens before and hits no new prefix; an admission check
+            # (the full sequence of a waiting request) is not.
+            running = (
+                not apply_admission_cap
+                and num_local_computed_tokens > 0
+                and not any(new_computed_blocks)
+            )
+            expect(Demand(int(blocks), running))
+        return int(blocks)
+
+    return get_num_blocks_to_allocate
 
 
 def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
@@ -51,7 +141,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
     class KVAsyncBlockPool(base):  # type: ignore[misc]
         """vLLM's ``BlockPool`` whose free blocks are handed out by kvasync.
 
-        Note [Who owns a free block] in _pool.py.
+        Notes [Who owns a free block] and [Count only what is mapped] in _pool.py.
         """
 
         free_block_queue: Any
@@ -91,27 +181,55 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             self._drain = engine.allocator.allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
+            self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
+            self._demand: Demand | None = None  # counted by the coordinator, not yet answered
+            self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
+            self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
+            self.num_lag_evictions = 0  # cached blocks a running request took for unmapped ones
 
         # -- what vLLM asks --------------------------------------------------------------------
 
+        def expect(self, demand: Demand) -> None:
+            """The coordinator's count for the allocation it is about to make."""
+            self._demand = demand
+
         def get_num_free_blocks(self) -> int:
-            return int(self.free_block_queue.num_free_blocks) + self._kv.available_blocks()
+            demand, self._demand = self._demand, None
+            queued = int(self.free_block_queue.num_free_blocks)
+            if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
+                self._may_evict = 0
+                return len(self._pocket) + self._mapped_free() + queued
+            return self._promise(demand, queued)
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             if num_blocks <= 0:
                 return []
-            # Fresh blocks from the allocator before evicting prefix-cache entries; the queue
-            # (cached blocks) makes up what the allocator cannot give (Note [Evict only what
-            # the budget lacks]).
-            fresh = self._take(num_blocks, self.free_block_queue.num_free_blocks)
+            # The pocket (promised by the count), then mapped free blocks, then the cached blocks
+            # the count let go; only a call vLLM did not count reaches the allocator's wait.
+            ids = self._from_pocket(num_blocks)
+            if len(ids) < num_blocks:
+                ids += self._mapped_now(num_blocks - len(ids))
             blocks = self.blocks
-            taken = [blocks[i] for i in fresh]
+            taken = [blocks[i] for i in ids]
             for block in taken:
                 block.ref_cnt = 1
                 if self.metrics_collector:
                     self.metrics_collector.on_block_allocated(block)
-            if len(fresh) < num_blocks:
-                taken.extend(super().get_new_blocks(num_blocks - len(fresh)))
+            rest = num_blocks - len(taken)
+            evict = min(rest, self._may_evict, int(self.free_block_queue.num_free_blocks))
+            if evict > 0:
+                self._may_evict -= evict
+                taken.extend(self._evict(evict))
+                rest -= evict
+            if rest > 0:
+                fresh = self._take(rest, self.free_block_queue.num_free_blocks)
+                for block in (blocks[i] for i in fresh):
+                    block.ref_cnt = 1
+                    if self.metrics_collector:
+                        self.metrics_collector.on_block_allocated(block)
+                    taken.append(block)
+                if len(fresh) < rest:
+                    taken.extend(self._evict(rest - len(fresh)))
             return taken
 
         def free_blocks(self, ordered_blocks: Any) -> None:
@@ -127,19 +245,22 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # vLLM's order: the first freed is the first evicted, so cached blocks go to the tail.
             self.free_block_queue.append_n(cached)
             self._release(released)
+            if self._pocket and self._num_running() == 0:
+                self._give_back_pocket(0)  # idle: the reserve policy decides what stays mapped
             self._trim_cached()
 
         def reset_prefix_cache(self) -> bool:
             # vLLM counts used blocks as capacity less free; here most of the capacity is
             # unmapped, so count what requests hold: the null block alone when nothing runs.
-            queue = self.free_block_queue
-            running = self._kv.stats().used_blocks - 1 - queue.num_free_blocks
+            running = self._num_running()
             if running:
                 logger.warning(
                     "Failed to reset prefix cache because some blocks (%d) are not freed yet",
                     running,
                 )
                 return False
+            self._give_back_pocket(0)
+            queue = self.free_block_queue
             cached = queue.popleft_n(queue.num_free_blocks)
             for block in cached:
                 self._maybe_evict_cached_block(block)
@@ -154,8 +275,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
 
         def get_usage(self) -> float:
             # The share of what the budget allows that requests and the prefix cache use.
-            used = self._kv.stats().used_blocks - 1
-            total = used + self._kv.available_blocks()
+            used = self._kv.stats().used_blocks - 1 - len(self._pocket)
+            total = used + len(self._pocket) + self._kv.available_blocks()
             return used / total if total > 0 else 1.0
 
         # -- kvasync's side --------------------------------------------------------------------
@@ -165,17 +286,89 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """The engine's ``kvasync.SyncAllocator``."""
             return self._kv
 
-        def _take(self, n: int, queued: int) -> list[int]:
-            """Blocks from the allocator: ``n`` when it can give them within its limit and
-            budget (waiting for their mapping if the reserve was outrun), else what it can, and
-            at least what the ``queued`` blocks of vLLM's queue do not cover.
+        @property
+        def num_pocket_blocks(self) -> int:
+            """Blocks taken from the allocator and promised to vLLM's next allocation."""
+            return len(self._pocket)
 
-            Note [Evict only what the budget lacks]: vLLM evicts a prefix-cache entry only when
-            no uncached block is free. Here the uncached free blocks are the allocator's, so a
-            cached block is evicted only for what the allocator cannot give within its limit
-            and budget; that they are not mapped yet is a wait for the mapper, not a reason to
-            drop a prefix others may hit (that made a cached prefix vanish under a burst of
-            allocations larger than the reserve).
+        def _num_running(self) -> int:
+            """Blocks requests hold (the allocator's used blocks less the null block, vLLM's
+            queue and the pocket)."""
+            queued = int(self.free_block_queue.num_free_blocks)
+            return self._kv.stats().used_blocks - 1 - queued - len(self._pocket)
+
+        def _mapped_free(self) -> int:
+            """The allocator's blocks an ``alloc_nowait`` gets now: mapped, free, not draining
+            (over its limit, ``available_blocks`` is just those)."""
+            kv = self._kv
+            return max(0, min(kv.stats().free_blocks, kv.available_blocks()))
+
+        def _mapped_now(self, n: int) -> list[int]:
+            """Up to ``n`` of the allocator's mapped free blocks, without waiting."""
+            k = min(n, self._mapped_free())
+            if k <= 0:
+                return []
+            try:
+                return list(self._kv.alloc_nowait(k))
+            except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
+                return []
+
+        def _promise(self, demand: Demand, queued: int) -> int:
+            """The free count for ``demand`` (Note [Count only what is mapped])."""
+            n = demand.blocks
+            self._give_back_pocket(n)
+            short = n - len(self._pocket)
+            if short > 0:
+                self._pocket += self._mapped_now(short)
+                short = n - len(self._pocket)
+            mapped = self._mapped_free()
+            if short <= 0:
+                self._may_evict = 0
+                return len(self._pocket) + mapped + queued
+            kv = self._kv
+            room = kv.available_blocks()  # mapped free, on their way in, and mappable
+            if room > mapped:
+                # Map ahead what the budget allows of the shortfall; the miss starts it.
+                with contextlib.suppress(WouldBlock, OutOfBlocks):
+                    self._pocket += kv.alloc_nowait(min(short, room))
+                short = n - len(self._pocket)
+                if short <= 0:
+                    self._may_evict = 0
+                    return len(self._pocket) + self._mapped_free() + queued
+                room = kv.available_blocks()
+            lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
+            self._may_evict = min(queued, short if demand.running else lacking)
+            if self._may_evict < short:
+                self.num_map_ahead_misses += 1
+            elif demand.running and lacking < short:
+                self.num_lag_evictions += short - lacking
+            return len(self._pocket) + mapped + self._may_evict
+
+        def _from_pocket(self, n: int) -> list[int]:
+            pocket = self._pocket
+            ids, self._pocket = pocket[:n], pocket[n:]
+            return ids
+
+        def _give_back_pocket(self, keep: int) -> None:
+            if len(self._pocket) > keep:
+                surplus, self._pocket = self._pocket[keep:], self._pocket[:keep]
+                self._kv.free(surplus)  # never handed to vLLM: no GPU work to wait for
+
+        def _evict(self, n: int) -> list[Any]:
+            """``n`` blocks from vLLM's queue, first freed first, their cache entries dropped."""
+            taken: list[Any] = self.free_block_queue.popleft_n(n)
+            for block in taken:
+                self._maybe_evict_cached_block(block)
+                block.ref_cnt = 1
+                if self.metrics_collector:
+                    self.metrics_collector.on_block_allocated(block)
+            return taken
+
+        def _take(self, n: int, queued: int) -> list[int]:
+            """Blocks from the allocator for a call vLLM did not count: ``n`` when it can give
+            them within its limit and budget (waiting for their mapping), else what it can, and
+            at least what the ``queued`` blocks of vLLM's queue do not cover (Note [Evict only
+            what the budget lacks]).
             """
             kv = self._kv
             try:
@@ -186,9 +379,6 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             wanted = max(lacking, min(n, kv.available_blocks()))
             if wanted <= 0:
                 return []
-            # The scheduler counted these blocks in get_num_free_blocks: they are within the
-            # limit and the budget, and only their mapping is not done. A deadline bounds the
-            # wait; a MapError is the driver's.
             deadline = time.monotonic() + _MAP_WAIT
             try:
                 return list(kv.alloc(wanted, deadline=deadline))
@@ -206,7 +396,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             self._kv.free(block_ids, after=after)
 
         def _trim_cached(self) -> None:
-            """Gives back cached free blocks beyond the bound and on draining pages."""
+            """Gives back cached free blocks beyond the bound, and cached and pocket blocks on
+            draining pages."""
             queue = self.free_block_queue
             keep = self._keep_cached
             drain = self._drain()
@@ -216,6 +407,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     queue.remove(block)
                     self._maybe_evict_cached_block(block)
                 self._release([b.block_id for b in draining])
+                pocket = self._pocket
+                self._pocket = [i for i in pocket if i < drain]
+                if len(self._pocket) < len(pocket):
+                    self._kv.free([i for i in pocket if i >= drain])
             if keep is not None and queue.num_free_blocks > keep:
                 surplus = queue.popleft_n(queue.num_free_blocks - keep)
                 for block in surplus:

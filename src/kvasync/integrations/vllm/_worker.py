@@ -74,6 +74,15 @@ def kv_layout_for(kv_cache_config: Any) -> KVLayout:
     )
 
 
+def step_blocks(vllm_config: Any, block_size: int) -> int:
+    """The most blocks one scheduler step allocates: the longest request's, or a full batch of
+    new tokens, and one more per running sequence (a partly filled block each). The reserve
+    keeps that many mapped ahead (Note [Count only what is mapped] in _pool)."""
+    scheduler = vllm_config.scheduler_config
+    tokens = max(int(vllm_config.model_config.max_model_len), int(scheduler.max_num_batched_tokens))
+    return math.ceil(tokens / block_size) + int(scheduler.max_num_seqs)
+
+
 def _reserve_pages(layout: KVLayout, page_size: int, headroom_blocks: int) -> tuple[int, int]:
     """The reserve that keeps ``headroom_blocks`` mapped ahead of the scheduler (low watermark),
     and twice that before unmapping freed pages (high), so that a step's pages are mapped before
@@ -114,9 +123,7 @@ def allocate_kv_cache_tensors(
         # one's views are dropped by then, and its allocator goes with them.
         previous.allocator.close()
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
-    max_model_len = int(vllm_config.model_config.max_model_len)
-    max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-    headroom = math.ceil(max_model_len / layout.block_size) + max_seqs
+    headroom = step_blocks(vllm_config, layout.block_size)
     name = settings.name or f"vllm:{vllm_config.model_config.served_model_name}"
     base = Config(
         backend="cuda",
