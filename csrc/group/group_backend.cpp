@@ -267,7 +267,19 @@ SchedulerGroup::Outcome SchedulerGroup::post_all(GroupJobKind kind, int64_t firs
   for (int r = 0; r < num_ranks_; ++r) {
     RankRecord& rec = file_->ranks[r];
     if (rec.state.load(std::memory_order_acquire) != static_cast<uint32_t>(RankState::kJoined)) {
-      continue;  // absent: holds nothing; left or refused: named by the wait
+      // A map must reach every rank: one that left after wait_joined saw it joined (its close
+      // racing this map) fails the map here, as nothing would wait for it (its seq stays 0);
+      // tests/cpp/group_stress.cpp saw such a map succeed without that rank. An unmap skips it:
+      // a rank not in the group holds nothing the group will use again.
+      if (kind == GroupJobKind::kMap && outcome.ok) {
+        const std::optional<std::string> lost = rank_lost(r);
+        if (lost) mark_broken(*lost);
+        const std::string who =
+            lost.value_or(describe_rank(r) + " has not joined group '" + name_ + "'");
+        outcome = {false,
+                   who + " while asked to map " + group_detail::describe_pages(first, count)};
+      }
+      continue;
     }
     const uint64_t seq = next_seq_[r] + 1;
     const uint64_t done = rec.done.load(std::memory_order_acquire);

@@ -17,8 +17,10 @@
 //   - "rank 3 never joined group 'x' within 5 s ..."           never started.
 // A dead or departed rank breaks the group for maps (every later map fails at once with that
 // reason); unmaps skip it (its memory went with its process), so the pool can still drain and
-// close. The scheduler's process is the only poster (the pool has one mapper thread); a mutex
-// guards the posting side anyway, so that a misuse cannot corrupt a ring.
+// close. An unmap fails only when the local one does, before anything is posted: the pool keeps
+// a failed unmap's pages mapped and hands their blocks out again (GroupBackend::unmap). The
+// scheduler's process is the only poster (the pool has one mapper thread); a mutex guards the
+// posting side anyway, so that a misuse cannot corrupt a ring.
 //
 // lock order: PagePool::mutex_ is never held here (the pool calls backends outside it) ->
 // SchedulerGroup::post_mutex_ -> SchedulerGroup::broken_mutex_.
@@ -77,7 +79,8 @@ class SchedulerGroup {
   // Waits until every rank has joined, or one cannot (refused, dead, left), or the deadline.
   Outcome wait_joined(group_detail::Clock::time_point deadline, double timeout_s);
   // Posts a job to every joined rank; seqs[r] is its number there, 0 where not posted. A rank
-  // whose ring is full fails the post (named in the outcome); the others are posted still.
+  // whose ring is full fails the post (named in the outcome), and for a map so does a rank that
+  // is no longer joined; the others are posted still.
   Outcome post_all(GroupJobKind kind, int64_t first, int64_t count, std::vector<uint64_t>& seqs);
   // Waits for rank r's job seqs[r], for every r with seqs[r] != 0. `what`: for messages. For a
   // map, the first failure ends the wait; a dead rank fails it. For an unmap (dead_is_done), a
