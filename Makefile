@@ -30,20 +30,27 @@ test: install sanitize
 	$(VENV)/bin/ruff check src kernels tests bench
 	$(VENV)/bin/mypy --strict
 
-# The C++ harness (tests/cpp/pool_stress.cpp: the pool and the mapper driven from several threads
-# with faults and a racing close) under ThreadSanitizer, then AddressSanitizer + UBSan: any report
-# or broken invariant fails. STRESS_SECONDS of run per sanitizer; the seed is printed.
+# The C++ harnesses under ThreadSanitizer, then AddressSanitizer + UBSan: any report or broken
+# invariant fails. tests/cpp/pool_stress.cpp (the pool and the mapper driven from several threads
+# with faults and a racing close) runs STRESS_SECONDS per sanitizer, tests/cpp/group_stress.cpp (a
+# tensor-parallel group with 1-4 ranks, faults and racing closes) GROUP_STRESS_SECONDS; the seed
+# is printed.
 STRESS_SECONDS ?= 15
+GROUP_STRESS_SECONDS ?= 4
 STRESS_SEED ?= $(shell date +%s)
 sanitize:
 	cmake -S tests/cpp -B build/tsan -DKVASYNC_SANITIZE=thread >/dev/null
 	cmake --build build/tsan -j2
 	TSAN_OPTIONS=halt_on_error=1:exitcode=66 \
 		build/tsan/pool_stress --seconds $(STRESS_SECONDS) --seed $(STRESS_SEED)
+	TSAN_OPTIONS=halt_on_error=1:exitcode=66 \
+		build/tsan/group_stress --seconds $(GROUP_STRESS_SECONDS) --seed $(STRESS_SEED)
 	cmake -S tests/cpp -B build/asan -DKVASYNC_SANITIZE=address >/dev/null
 	cmake --build build/asan -j2
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		build/asan/pool_stress --seconds $(STRESS_SECONDS) --seed $(STRESS_SEED)
+	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		build/asan/group_stress --seconds $(GROUP_STRESS_SECONDS) --seed $(STRESS_SEED)
 
 # Not in CI: three loads of SOAK_SECONDS each (default 600), every one run and its table printed
 # even when one before failed: random operations with faults (tests/soak.py), 16 processes on one
