@@ -447,6 +447,16 @@ def plot_two(data: dict[str, Any], out: pathlib.Path) -> None:
                 bursts.setdefault(r["id"].split("-")[0], []).append(r["at"])
             for ats in bursts.values():  # each burst's arrivals, in its engine's colour
                 ax.axvspan(min(ats), max(ats) + 0.05, color=f"C{index}", alpha=0.15)
+        ledger = record.get("ledger") or []
+        if ledger:  # both engines' mapped KV on one clock, as the share's ledger saw it
+            t0 = next(iter(record["engines"].values()))["t0_wall"]
+            ax.plot(
+                [x["wall"] - t0 for x in ledger],
+                [sum(x["mapped_gib"].values()) for x in ledger],
+                color="black",
+                lw=0.8,
+                label="A + B mapped (ledger)",
+            )
         ax.axhline(data["budget_gib"], color="black", ls=":", lw=0.8, label="budget (both)")
         ax.set_title(variant, fontsize=9)
         ax.set_ylabel("GiB")
