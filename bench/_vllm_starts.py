@@ -29,7 +29,7 @@ from _vllm_procs import (
 
 def mode_seed_a(run: Run) -> dict[str, Any]:
     args = run.args
-    folder = run.out / "seed_a"
+    folder = run.work / "seed_a"
     share = f"bench-{run.tag}-seeda"
     stop, release = folder / "first.stop", folder / "first.release"
     first_args = {
@@ -132,7 +132,7 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
 
 def mode_release(run: Run) -> dict[str, Any]:
     args = run.args
-    folder = run.out / "release"
+    folder = run.work / "release"
     folder.mkdir(parents=True, exist_ok=True)
     # Alternating, so that a run cut short by its deadline still has both.
     plan = [(v, a) for a in range(1, args.attempts + 1) for v in ("stock", "kvasync")]
@@ -179,7 +179,7 @@ def mode_release(run: Run) -> dict[str, Any]:
             record: dict[str, Any] = {"variant": variant, "attempt": attempt}
             attempts.append(record)
             try:
-                run.clock.need(40, f"release {variant}{attempt}")
+                run.clock.need(30, f"release {variant}{attempt}")
             except OutOfTime as error:
                 record["failure"] = str(error)
                 continue
@@ -254,7 +254,7 @@ def release_attempt(
 
 def mode_colocate(run: Run) -> dict[str, Any]:
     args = run.args
-    folder = run.out / "colocate"
+    folder = run.work / "colocate"
     stop, release = folder / "neighbour.stop", folder / "neighbour.release"
     folder.mkdir(parents=True, exist_ok=True)
     stop.unlink(missing_ok=True)
