@@ -36,9 +36,10 @@ that order within ``--budget-s``):
     Why memory binds: a request holds (1536 + 256) x 32 KiB = 56 MiB of KV at its end, so a 3 GiB
     half holds about 54 of a burst's 96 (vLLM admits 64 on their prompts, then preempts as they
     grow) and the rest wait a whole request lifetime (256 decode steps, seconds), while one engine
-    alone in the shared 6 GiB holds the whole burst. Compute does not bind first: a burst's
+    alone in the shared 6 GiB holds the whole burst. Compute should not bind first: a burst's
     prefill is 147k tokens (about a second for a 1B model on an H200) and decode batches are at
-    most 128 sequences, where an eager-mode step is launch-bound.
+    most 128 sequences, where an eager-mode step is launch-bound (the GPU's busy share is not
+    measured here: if TTFT misses even in ``shared``, look there first).
 ``seed-a``
     A first kvasync engine serves bursts (192 requests of 1024 + 64 tokens, then 32 short ones,
     0.3 s idle between: it maps and unmaps) in one share (``KVASYNC_SHARE`` +
@@ -53,8 +54,8 @@ that order within ``--budget-s``):
     Issue 19's stock failure: a second engine starts while the first finishes and releases its
     memory. The second's log is watched; once it says it is loading the model (its start-up
     memory snapshot is taken by then, and the profile that compares free memory against it comes
-    next) the first leaves at once (``os._exit``: the driver frees its memory). Stock, both at
-    ``gpu_memory_utilization=0.35``, is the baseline; kvasync, both in one share
+    next) the first leaves at once (``os._exit``: the CUDA driver frees its memory as it ends).
+    Stock, both at ``gpu_memory_utilization=0.35``, is the baseline; kvasync, both in one share
     (``--release-budget``, 80GiB), the subject; ``--attempts`` (2) each, alternating. Reports the
     starts that succeeded, the errors seen, and when the release landed.
 ``colocate``
