@@ -297,6 +297,37 @@ class LedgerSampler(threading.Thread):
         return self.samples
 
 
+class GpuSampler(threading.Thread):
+    """The GPU's busy share (NVML's utilization, % of time a kernel ran) every 100 ms, from the
+    driver process (NVML needs no CUDA context); no samples where NVML is missing."""
+
+    def __init__(self, period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.period = period
+        self.samples: list[tuple[float, float]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no NVML here: the report says so
+            return
+        while not self.stop_event.wait(self.period):
+            try:
+                busy = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception:
+                continue
+            self.samples.append((time.time(), busy))
+
+    def finish(self) -> list[tuple[float, float]]:
+        self.stop_event.set()
+        self.join(5.0)
+        return self.samples
+
+
 # -- what every mode of bench_vllm.py needs ----------------------------------------------------
 
 GIB = 2**30

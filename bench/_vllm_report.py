@@ -386,6 +386,8 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
         tokens = sum(r["output_tokens"] for r in all_requests.values())
         end = max((r["finished"] or 0.0 for r in all_requests.values()), default=0.0)
         pre = [e.get("preemptions") for e in record["engines"].values()]
+        t0 = next(iter(record["engines"].values()))["t0_wall"]
+        busy = [b for w, b in record.get("gpu_busy", []) if t0 <= w <= t0 + end]
         totals.append(
             [
                 variant,
@@ -394,6 +396,7 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
                 fmt(percentile(ttft, 90), 2),
                 fmt(tokens / end if end else math.nan, 0),
                 fmt(sum(p for p in pre if p is not None), 0) if None not in pre else "-",
+                fmt(statistics.fmean(busy), 0) if busy else "-",
             ]
         )
     print_table(
@@ -417,7 +420,15 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
     )
     print()
     print_table(
-        ["variant", "TTFT within SLO", "p50 s", "p90 s", "output tok/s (both)", "preemptions"],
+        [
+            "variant",
+            "TTFT within SLO",
+            "p50 s",
+            "p90 s",
+            "output tok/s (both)",
+            "preemptions",
+            "GPU busy % (NVML, over the trace)",
+        ],
         totals,
     )
     plot_two(data, out)

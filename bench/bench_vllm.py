@@ -38,8 +38,8 @@ that order within ``--budget-s``):
     grow) and the rest wait a whole request lifetime (256 decode steps, seconds), while one engine
     alone in the shared 6 GiB holds the whole burst. Compute should not bind first: a burst's
     prefill is 147k tokens (about a second for a 1B model on an H200) and decode batches are at
-    most 128 sequences, where an eager-mode step is launch-bound (the GPU's busy share is not
-    measured here: if TTFT misses even in ``shared``, look there first).
+    most 128 sequences, where an eager-mode step is launch-bound; the table gives the GPU's busy
+    share over the trace (NVML) to check it.
 ``seed-a``
     A first kvasync engine serves bursts (192 requests of 1024 + 64 tokens, then 32 short ones,
     0.3 s idle between: it maps and unmaps) in one share (``KVASYNC_SHARE`` +
@@ -102,6 +102,7 @@ from _vllm_procs import (
     FAILURES,
     GIB,
     Engine,
+    GpuSampler,
     LedgerSampler,
     OutOfTime,
     Run,
@@ -261,6 +262,8 @@ def mode_two(run: Run) -> dict[str, Any]:
             sampler = LedgerSampler(share) if share else None
             if sampler:
                 sampler.start()
+            gpu = GpuSampler()
+            gpu.start()
             try:
                 for engine in engines:
                     engine.go()
@@ -286,6 +289,7 @@ def mode_two(run: Run) -> dict[str, Any]:
                 print(f"   {error}", flush=True)
             finally:
                 kill_all(engines)
+                record["gpu_busy"] = gpu.finish()
                 if sampler:
                     record["ledger"] = sampler.finish()
     finally:
