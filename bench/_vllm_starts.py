@@ -58,7 +58,7 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
     try:
         first.go()
         try:
-            data["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
+            data["first_start_s"] = first.wait("up", run.clock.by(90))["start_s"]
             first.wait("batch", run.clock.by(60))
         except FAILURES as error:
             data["first_failure"] = str(error)
@@ -212,7 +212,7 @@ def release_attempt(
     attempt's release has landed."""
     try:
         first.go()
-        record["first_start_s"] = first.wait("up", run.clock.by(150))["start_s"]
+        record["first_start_s"] = first.wait("up", run.clock.by(90))["start_s"]
         first.wait("batch", run.clock.by(60))
         second.wait("imported", run.clock.by(60))
     except FAILURES as error:
@@ -234,7 +234,7 @@ def release_attempt(
     record["first_gone_at_s"] = None if exited is None else time.monotonic() - second.went
     spawn_next()
     try:
-        up = second.wait("up", run.clock.by(120))
+        up = second.wait("up", run.clock.by(run.args.start_deadline_s))
         record["started"] = True
         record["start_s"] = up["start_s"]
         served = second.wait("served", run.clock.by(30))

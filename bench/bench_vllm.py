@@ -162,7 +162,7 @@ def mode_identity(run: Run) -> dict[str, Any]:
                 break
             try:
                 engine.go()
-                up = engine.wait("up", run.clock.by(170 if index == 0 else 100))
+                up = engine.wait("up", run.clock.by(170 if index == 0 else 90))
                 record["start_s"] = up["start_s"]
                 engine.wait("measured", run.clock.by(60 + 30 * args.rounds))
                 if index + 1 < len(variants):
@@ -272,7 +272,7 @@ def mode_two(run: Run) -> dict[str, Any]:
                     # its go) before this trace begins: the trace shares the CPU with nothing.
                     upcoming = spawn(args.two_variants[index + 1])
                 for engine in engines:
-                    up = engine.wait("up", run.clock.by(150))
+                    up = engine.wait("up", run.clock.by(90))
                     record[f"start_s_{engine.name[-1]}"] = up["start_s"]
                 for engine in engines:
                     engine.wait("warm", run.clock.by(60))
