@@ -393,3 +393,85 @@ def test_a_flapping_demand_raises_a_members_limit_at_most_once_per_regrow_hold()
     finally:
         if os.path.exists(ledger.path(share)):
             os.unlink(ledger.path(share))
+
+
+def test_a_members_own_flapping_demand_under_pressure_turns_its_limit_at_most_once_per_hold() -> (
+    None
+):
+    # Note [Fair share under pressure], no oscillation, from the member's own side: `b` holds 6
+    # of 8 pages and waits for a 7th (blocked: pressure on `a`); `a` holds 2 pages in use and
+    # reports a demand of 3 pages, then 1, every 20 ms, as an engine whose waiting request comes
+    # and goes. Its fair share follows its demand (3 or 2 pages: what it holds counts), and so
+    # does its guaranteed minimum (under budget / members). The limit in force may fall at
+    # once, but it turns from falling to rising at most once per kRegrowHold (300 ms): a
+    # minimum that rises with a flapping demand must not lift it past the hold.
+    share = f"test-{uuid.uuid4().hex[:12]}"
+    config = kvasync.Config(
+        backend="host",
+        max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
+        page_size=PAGE_SIZE,
+        reserve_pages=(0, 0),
+        share=share,
+        device_budget=BUDGET_PAGES * PAGE_BYTES,
+    )
+    run_s, flap_s, hold_s = 1.5, 0.02, 0.3
+    try:
+        with (
+            kvasync.open_allocator_sync(LAYOUT, dataclasses.replace(config, name="a")) as a,
+            kvasync.open_allocator_sync(LAYOUT, dataclasses.replace(config, name="b")) as b,
+        ):
+            held_a = a.alloc(2 * BLOCKS_PER_PAGE, timeout=5.0)
+            held_b = b.alloc(6 * BLOCKS_PER_PAGE, timeout=5.0)
+            waiter_error: list[BaseException] = []
+
+            def wait_for_a_seventh_page() -> None:
+                try:
+                    b.free(b.alloc(BLOCKS_PER_PAGE, timeout=run_s + 2.0))
+                except kvasync.AllocTimeout:
+                    pass  # `a` kept its pages in use all along: nothing came back
+                except BaseException as error:  # pragma: no cover - reported below
+                    waiter_error.append(error)
+
+            waiter = threading.Thread(target=wait_for_a_seventh_page)
+            waiter.start()
+            wait_for(
+                lambda: any(e.name == "b" and e.blocked > 0 for e in ledger.snapshot(share)),
+                TICK_DEADLINE_S,
+                "`b` never blocked on the budget",
+            )
+            limits = [(time.monotonic(), a.stats().memory_limit_pages)]
+            start = time.monotonic()
+            next_flap, wanting = start, False
+            while time.monotonic() - start < run_s:
+                if time.monotonic() >= next_flap:
+                    wanting = not wanting
+                    a.set_demand((3 if wanting else 1) * BLOCKS_PER_PAGE)
+                    next_flap += flap_s
+                limit = a.stats().memory_limit_pages
+                if limit != limits[-1][1]:
+                    limits.append((time.monotonic(), limit))
+                time.sleep(0.0005)  # pacing the flaps and the reads, not waiting for an event
+            a.set_demand(0)
+            # Fall->rise turns: a rise after a fall. Each is seen after it happened, so two seen
+            # closer than the hold less a read's latency (generous: 100 ms) broke the bound.
+            turns, falling = [], False
+            for (_, before), (at, after) in itertools.pairwise(limits):
+                if after < before:
+                    falling = True
+                elif after > before and falling:
+                    turns.append(at)
+                    falling = False
+            gaps = [later - earlier for earlier, later in itertools.pairwise(turns)]
+            values = [limit for _, limit in limits]
+            assert all(gap >= hold_s - 0.1 for gap in gaps), (
+                f"`a`'s limit turned from falling to rising {len(turns)} times in {run_s} s, "
+                f"the closest {min(gaps):.3f} s apart: {values}"
+            )
+            assert min(values) >= 2, values  # never below what it holds in use (its demand)
+            a.free(held_a)
+            waiter.join(timeout=run_s + 5.0)
+            assert not waiter.is_alive() and not waiter_error, waiter_error
+            b.free(held_b)
+    finally:
+        if os.path.exists(ledger.path(share)):
+            os.unlink(ledger.path(share))

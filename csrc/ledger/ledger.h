@@ -76,8 +76,12 @@
 //     every kTick without a wake: the bound is one kTick (100 ms) plus the unmaps' own time.
 //   - No oscillation: a member's fair-share limit goes down at once (a step-down serves a
 //     waiter) but goes up again only kRegrowHold (LimitPolicy) after its last step-down, and
-//     never stays below min(own limit, g_i) meanwhile. So the limit turns from falling to
-//     rising at most once per kRegrowHold (300 ms), and pages a member gave back stay with the
+//     never stays below min(own limit, g_i) meanwhile, where the g_i in force rises at once
+//     but falls only kRegrowHold after it last rose (an engine's demand, and g_i with it, flaps
+//     from loop to loop; followed flap by flap it lifted the limit 37 times in 1.5 s past the
+//     hold: tests/test_share_policy.py). So the limit turns from falling to rising at most once
+//     per kRegrowHold (300 ms), unless the member's own g_i reaches a new peak within the hold
+//     (its demand growing, not flapping), and pages a member gave back stay with the
 //     member entitled to them at least that long (the grants' rule above keeps them from it
 //     for as long as that member wants them). Pressure lifts when nobody is short, and the own
 //     limit (configured, or `kvasync limit`) comes back after the same hold.

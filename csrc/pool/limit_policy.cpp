@@ -33,10 +33,18 @@ bool LimitPolicy::set_share(bool pressure, int64_t fair_pages, int64_t guarantee
     share_cap_ = target;
   }
   // Held down, the cap never stays below the guaranteed minimum (Note [Fair share under
-  // pressure] in ledger.h).
-  if (share_cap_ != kNoCap) {
-    share_cap_ = std::max(share_cap_, std::max<int64_t>(1, guaranteed_pages));
+  // pressure] in ledger.h). The minimum in force rises at once but falls only kRegrowHold after
+  // it last rose (about the largest over that window): it follows the member's own demand, and
+  // an engine's demand flaps from loop to loop (a waiting request comes and goes); following
+  // each flap, the cap would fall and rise with it, the hold notwithstanding.
+  const int64_t guaranteed = std::max<int64_t>(1, guaranteed_pages);
+  if (guaranteed >= floor_) {
+    floor_ = guaranteed;
+    floor_raised_at_ = now;
+  } else if (now - floor_raised_at_ >= kRegrowHold) {
+    floor_ = guaranteed;
   }
+  if (share_cap_ != kNoCap) share_cap_ = std::max(share_cap_, floor_);
   return update();
 }
 

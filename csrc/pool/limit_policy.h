@@ -13,9 +13,10 @@
 //    (its demand-weighted share of the budget; Note [Fair share under pressure] in ledger.h),
 //    never below 1 page nor below its guaranteed minimum. The cap goes down at once and up only
 //    kRegrowHold after its last step-down (the bound on oscillation), but never stays below the
-//    guaranteed minimum; pressure lifting removes it after the same hold. The own limit is a
-//    promise: an alloc above it is refused at once (OutOfBlocks); the share cap is temporary,
-//    so a request above it waits instead (with its deadline).
+//    guaranteed minimum, which rises at once and falls only kRegrowHold after it last rose (a
+//    demand that flaps does not move it); pressure lifting removes the cap after the same hold.
+//    The own limit is a promise: an alloc above it is refused at once (OutOfBlocks); the share
+//    cap is temporary, so a request above it waits instead (with its deadline).
 //
 // 2. What is kept:
 //    - The reserve (mapped pages with every block free): reserve_to_keep() pages stay, the
@@ -51,7 +52,8 @@
 // Invariants:
 //   - 1 <= limit() <= own_limit(); limit() changes only through the inputs above.
 //   - Under pressure, limit() >= min(own_limit(), max(1, guaranteed)) at every tick.
-//   - The share cap rises only when kRegrowHold has passed since it last fell.
+//   - The share cap rises only when kRegrowHold has passed since it last fell, or to a
+//     guaranteed minimum higher than any in the last kRegrowHold.
 //   - Pages held (mapping + mapped + unmapping) exceed limit() only after the limit was lowered,
 //     and then only pages that are in use or on their way out: no map is planned beyond it, a
 //     free page over it is unmapped, and the drain covers the rest.
@@ -126,6 +128,8 @@ class LimitPolicy {
   bool pressure_ = false;
   int64_t share_cap_ = kNoCap;
   Clock::time_point stepped_down_at_{};
+  int64_t floor_ = 1;  // the guaranteed minimum in force (pages): it falls after kRegrowHold
+  Clock::time_point floor_raised_at_{};
   int64_t limit_ = 0;
   int64_t reserve_low_, reserve_high_;
   int64_t hold_blocks_ = 0;
