@@ -7,6 +7,7 @@ no vLLM, and they skip there, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -130,7 +131,12 @@ def test_a_seam_with_another_signature_is_refused() -> None:
 
 @needs_vllm
 def test_every_seam_matches_this_vllm() -> None:
-    for seam in (plugin.BLOCK_POOL, plugin.COORDINATOR_COUNT, *plugin.POOL_METHODS):
+    for seam in (
+        plugin.BLOCK_POOL,
+        plugin.COORDINATOR_COUNT,
+        plugin.EXECUTOR_INIT,
+        *plugin.POOL_METHODS,
+    ):
         seam.resolve()
 
 
@@ -560,3 +566,248 @@ def test_a_kv_cache_it_cannot_lay_out_is_refused_naming_why() -> None:
         kv_layout_for(kv_cache_config([4096, 8192], 1))
     with pytest.raises(ValueError, match="whole blocks"):
         kv_layout_for(kv_cache_config([4097], 2))
+
+
+# -- workers in their own processes: the tensor-parallel group --------------------------------
+
+# A worker process of the multiprocess executor, on the host backend: it joins the group as a
+# rank (open_rank_tensors) and writes the blocks it is told to through its KV views (a block on a
+# page it has not mapped faults: the process dies).
+RANK_SCRIPT = r"""
+import json, sys
+from types import SimpleNamespace
+from kvasync import _core
+from kvasync._backends import range_tensor
+from kvasync.integrations.vllm._ranks import open_rank_tensors
+
+group, rank, blocks, layers, block_bytes, timeout = sys.argv[1:7]
+blocks, layers, block_bytes = int(blocks), int(layers), int(block_bytes)
+config = SimpleNamespace(
+    num_blocks=blocks,
+    kv_cache_tensors=[
+        SimpleNamespace(size=blocks * block_bytes, shared_by=[f"layer.{i}"]) for i in range(layers)
+    ],
+    kv_cache_groups=[
+        SimpleNamespace(
+            kv_cache_spec=SimpleNamespace(block_size=16),
+            layer_names=[f"layer.{i}" for i in range(layers)],
+        )
+    ],
+)
+try:
+    ranked = open_rank_tensors(
+        config, rank=int(rank), group=group, range_tensor=range_tensor, timeout=float(timeout),
+        make_backend=lambda ranges, pages, size: _core.HostBackend(ranges, pages, size),
+    )
+except Exception as error:
+    print(json.dumps({"error": str(error)}), flush=True)
+    sys.exit(0)
+views = list(ranked.tensors.values())
+zero = all(bool((v[:block_bytes] == 0).all()) for v in views)
+print(json.dumps({"joined": True, "null_block_zero": zero}), flush=True)
+for line in sys.stdin:
+    ask = json.loads(line)
+    if ask["op"] == "write":
+        for view in views:
+            for b in ask["blocks"]:
+                view[b * block_bytes : (b + 1) * block_bytes].fill_(ask["value"])
+        print(json.dumps({"written": len(ask["blocks"])}), flush=True)
+    elif ask["op"] == "pages":
+        print(json.dumps({"pages": ranked.mapper.mapped_page_ids()}), flush=True)
+ranked.close()
+"""
+RANK_BLOCKS, RANK_LAYERS, RANK_BLOCK_BYTES = 256, 2, 4096  # 16 blocks a 64 KiB page
+
+
+class RankProcess:
+    """A rank's process spoken to by JSON lines, every read bounded by a deadline."""
+
+    def __init__(self, group: str, rank: int, timeout: float = 30.0) -> None:
+        import subprocess
+        import sys
+
+        self.popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RANK_SCRIPT,
+                group,
+                str(rank),
+                str(RANK_BLOCKS),
+                str(RANK_LAYERS),
+                str(RANK_BLOCK_BYTES),
+                str(timeout),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._buffer = ""
+
+    def read(self, timeout: float = 60.0) -> dict[str, Any]:
+        import json
+        import os
+        import select
+
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = self.popen.stdout.fileno()
+        while "\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            assert left > 0, f"rank process {self.popen.pid} said nothing within {timeout} s"
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536).decode()
+                assert chunk, f"rank process {self.popen.pid} exited (rc {self.popen.poll()})"
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split("\n", 1)
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        import json
+
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(json.dumps(command) + "\n")
+        self.popen.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        import signal
+
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(timeout=DEADLINE)
+
+    def stop(self) -> None:
+        import subprocess
+
+        assert self.popen.stdin is not None
+        with contextlib.suppress(OSError):
+            self.popen.stdin.close()
+        try:
+            self.popen.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        assert self.popen.stdout is not None
+        self.popen.stdout.close()
+
+
+@pytest.fixture
+def rank_processes() -> Iterator[list[RankProcess]]:
+    started: list[RankProcess] = []
+    yield started
+    for process in started:
+        process.stop()
+
+
+def open_group_engine(
+    engines: list[EngineKV], num_ranks: int, *, map_timeout: float = 5.0
+) -> tuple[EngineKV, str]:
+    """The EngineCore's allocator of a fresh group of ``num_ranks`` rank processes."""
+    import uuid
+
+    from kvasync.integrations.vllm._ranks import open_scheduler_engine
+
+    group = f"test-vllm-{uuid.uuid4().hex[:12]}"
+    config = kv_cache_config([RANK_BLOCKS * RANK_BLOCK_BYTES] * RANK_LAYERS, RANK_BLOCKS)
+    engine = open_scheduler_engine(
+        [config] * num_ranks,
+        num_ranks=num_ranks,
+        settings=read_settings({"KVASYNC_VLLM": "1"}),
+        name="test",
+        reserve=(1, 2),
+        page_size=64 << 10,
+        group=group,
+        map_timeout=map_timeout,
+    )
+    engines.append(engine)
+    return engine, group
+
+
+def test_tensor_parallel_worker_processes_map_every_block_the_engine_hands_out(
+    engines: list[EngineKV], rank_processes: list[RankProcess]
+) -> None:
+    from kvasync.integrations.vllm._ranks import NullBlockHolder
+
+    engine, group = open_group_engine(engines, 2)
+    kv = engine.allocator
+    holder = NullBlockHolder(kv, timeout=60.0)  # while the workers join, as in vLLM's RPC
+    rank_processes.extend(RankProcess(group, rank) for rank in range(2))
+    for process in rank_processes:
+        assert process.read() == {"joined": True, "null_block_zero": True}
+    holder.wait()
+    assert kv.stats().used_blocks == 1  # block 0, the null block, mapped on both ranks
+    blocks = kv.alloc(100, timeout=DEADLINE)  # 7 pages: an alloc completes once all mapped
+    for process in rank_processes:  # a block on a page a rank has not mapped would kill it
+        assert process.ask(op="write", blocks=blocks, value=7) == {"written": 100}
+    pages = {b * RANK_BLOCK_BYTES // (64 << 10) for b in [0, *blocks]}
+    for process in rank_processes:
+        assert pages <= set(process.ask(op="pages")["pages"])
+    kv.free(blocks)
+    kv.trim(timeout=DEADLINE)  # every free page unmapped, on every rank
+    for process in rank_processes:
+        assert process.ask(op="pages")["pages"] == [0]
+
+
+def test_a_tensor_parallel_rank_that_never_starts_fails_the_engine_start_naming_it(
+    engines: list[EngineKV], rank_processes: list[RankProcess]
+) -> None:
+    from kvasync import KVAsyncError
+    from kvasync.integrations.vllm._ranks import NullBlockHolder
+
+    engine, group = open_group_engine(engines, 2, map_timeout=0.5)
+    holder = NullBlockHolder(engine.allocator, timeout=3.0)
+    rank_processes.append(RankProcess(group, 0, timeout=3.0))  # rank 1 never starts
+    with pytest.raises(KVAsyncError, match=r"(rank|ranks 0,) 1 never joined"):
+        holder.wait()
+    assert "null block's page was not mapped" in rank_processes[0].read()["error"]
+
+
+@needs_vllm
+def test_a_killed_tensor_parallel_rank_makes_allocations_misses_not_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+    engines: list[EngineKV],
+    rank_processes: list[RankProcess],
+) -> None:
+    from kvasync.integrations.vllm._ranks import NullBlockHolder
+
+    engine, group = open_group_engine(engines, 2)
+    holder = NullBlockHolder(engine.allocator, timeout=60.0)
+    rank_processes.extend(RankProcess(group, rank) for rank in range(2))
+    for process in rank_processes:
+        assert process.read()["joined"]
+    holder.wait()
+    manager = make_manager(monkeypatch, engine, caching=False)
+    first = make_request("first", 20 * 16)
+    allocate_when_mapped(manager, first, 20 * 16)
+    rank_processes[1].kill()  # kill -9, as a crashed worker
+    request = make_request("after", 200 * 16)  # beyond the mapped reserve: needs maps
+    for _ in range(3):
+        assert allocate_in_thread(manager, request, 200 * 16) is None
+    wait_until(lambda: "rank 1" in engine.allocator.stats().last_error, "the dead rank named")
+    assert len(manager.get_block_ids("first")[0]) == 20  # what was mapped stays served
+
+
+@needs_vllm
+def test_the_executor_decides_where_the_engines_allocator_lives_and_others_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher, UniProcExecutor
+
+    def executor(kind: type[Any], nnodes: int = 1, pipeline: int = 1) -> Any:
+        made = object.__new__(kind)  # vLLM's own class; its __init__ starts workers on a GPU
+        made.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(nnodes=nnodes, pipeline_parallel_size=pipeline)
+        )
+        return made
+
+    assert plugin.executor_kind(executor(UniProcExecutor)) == "uni"
+    assert plugin.executor_kind(executor(MultiprocExecutor)) == "mp"
+    with pytest.raises(plugin.UnsupportedVLLM, match="ExecutorWithExternalLauncher"):
+        plugin.executor_kind(executor(ExecutorWithExternalLauncher))
+    with pytest.raises(plugin.UnsupportedVLLM, match="one node"):
+        plugin.executor_kind(executor(MultiprocExecutor, nnodes=2))
+    with pytest.raises(plugin.UnsupportedVLLM, match="pipeline_parallel_size=2"):
+        plugin.executor_kind(executor(MultiprocExecutor, pipeline=2))

@@ -8,8 +8,9 @@ reuse (``0``, ``2GiB``; all the budget allows when unset).
 
 Note [vLLM seams]
 ~~~~~~~~~~~~~~~~~
-vLLM v1 at TP=1 runs its scheduler and its worker in one process (the EngineCore; with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the caller's): one kvasync allocator serves both.
+vLLM v1 with the uniprocess executor runs its scheduler and its worker in one process (the
+EngineCore; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the caller's): one kvasync allocator
+serves both. With the multiprocess executor see Note [Page ids across processes and ranks].
 
 - Worker: ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` (the V1 model
   runner; ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, shared_layers, device)`` in the
@@ -45,17 +46,36 @@ Note [Page ids across processes and ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The scheduler decides block ids, and a block id is the same page id on every rank, because every
 rank's KV tensors have the same geometry (heads split evenly). CUDA VMM mappings are per process,
-so with the multiprocess executor or TP > 1 (workers in their own processes) the plan is kvasync's
-tensor-parallel group (README, "Tensor parallel"): the EngineCore's allocator opens
-``Config(tensor_parallel=TensorParallel(name, num_ranks, map_local=False))`` and holds no KV
-memory; each worker process reads ``group_geometry(name)``, reserves a cuda range of that
-geometry, runs a ``RankMapper`` on it and returns views over it from the allocation seam. An
-alloc completes only when every rank has mapped its pages (C++ threads, a shared-memory ring, no
-Python on the path), so the pool's contract is unchanged: a block handed out is mapped on every
-rank; a rank that fails or dies fails the map within its deadline, which the pool sees as a
-shortfall, a scheduling miss (Note [Count only what is mapped] in _pool). A rank must also wait
-for its own stream before an unmap. Not built yet: with the worker in another process the pool
-finds no allocator in its process and refuses to start, saying so.
+so with vLLM's multiprocess executor (``distributed_executor_backend="mp"``: TP=1 in a worker
+process, and TP > 1) kvasync's tensor-parallel group carries the scheduler's maps to the workers
+(README, "Tensor parallel"; ``_ranks``):
+
+- EngineCore: ``Executor.initialize_from_config(self, kv_cache_configs)`` is where the KV cache
+  config is known and the workers have not yet allocated (vLLM 0.26 builds the scheduler and its
+  BlockPool only after it returns). There the plugin opens the engine's allocator with
+  ``Config(tensor_parallel=TensorParallel(group, world_size, map_local=False))`` on a host
+  backend of the workers' geometry (pages of the device's granularity): it reserves address
+  space, holds no KV memory and touches no GPU. The group is ``vllm-engine-<EngineCore pid>``;
+  the executor's workers are that process's children and find it by ``os.getppid()``. A thread
+  takes block 0 (vLLM's null block), retrying while the ranks join; the scheduler's pool finds
+  the allocator as in one process (``register_engine``).
+- Worker: the allocation seams (V1 and V2 runner) read the group's geometry (waiting up to 60 s
+  for it), reserve a cuda range of it, run a ``RankMapper`` on it as rank
+  ``get_tensor_model_parallel_rank()``, wait until block 0's page is mapped there (vLLM's dummy
+  runs write it), zero block 0 and return views over the range.
+- An alloc completes only when every rank has mapped its pages (C++ threads, a shared-memory
+  ring, no Python on the path), so the pool's contract is unchanged: a block handed out is mapped
+  on every rank. A rank that fails, dies or is slow fails the map within ``_MAP_TIMEOUT`` (5 s);
+  the pool counts only what is mapped, so that is a scheduling miss, never a wait of the step
+  (Note [Count only what is mapped] in _pool). A dead rank breaks the group: every later map
+  fails at once; the engine must be restarted.
+- Refused at start, naming the executor: Ray, an external launcher, several nodes, pipeline
+  parallelism.
+- Limitation: a rank does not wait for its own CUDA stream before an unmap (the RankMapper
+  unmaps as soon as the scheduler asks). The EngineCore frees a block after vLLM has the step's
+  output, but with async scheduling the next step may still read a finished request's blocks;
+  the reserve (twice a step's blocks) keeps such pages mapped unless the free pages exceed it.
+- With ``KVASYNC_SHARE`` the share is charged once per page, for the engine, not per device.
 """
 
 from __future__ import annotations
@@ -173,6 +193,13 @@ ALLOCATE_V2 = Seam(
     "_allocate_kv_cache",
     ("kv_cache_config", "shared_layers", "device"),
 )
+# The EngineCore's call that has the workers allocate their KV caches: with workers in their own
+# processes, the engine's allocator (the group's scheduler) is opened here, before they join.
+EXECUTOR_INIT = Seam(
+    "vllm.v1.executor.abstract",
+    "Executor.initialize_from_config",
+    ("self", "kv_cache_configs"),
+)
 AVAILABLE_MEMORY = Seam("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory", ("self",))
 REQUEST_MEMORY = Seam(
     "vllm.v1.worker.gpu_worker", "request_memory", ("init_snapshot", "cache_config")
@@ -218,10 +245,10 @@ def find_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
     if settings.host_pool:
         return host_engine(num_gpu_blocks, settings)
     raise RuntimeError(
-        "kvasync's vLLM plugin found no KV allocator in the scheduler's process: the worker "
-        "runs in another process (tensor parallelism or the multiprocess executor), which the "
-        "plugin does not support yet; run with tensor_parallel_size=1 and the default "
-        "(uniprocess) executor, or without kvasync"
+        "kvasync's vLLM plugin found no KV allocator in the scheduler's process: neither the "
+        "in-process worker nor Executor.initialize_from_config (workers in their own "
+        "processes) opened one; run with vLLM's uniprocess or multiprocess executor, or "
+        "without kvasync"
     )
 
 
@@ -303,6 +330,7 @@ def register() -> None:
             ALLOCATE_V2.resolve(),
             AVAILABLE_MEMORY.resolve(),
             REQUEST_MEMORY.resolve(),
+            EXECUTOR_INIT.resolve(),
         )
         settings.capacity_bytes  # noqa: B018 - refuses a missing size now, not at the first request
     from ._pool import counting_demand, make_block_pool_class
@@ -318,21 +346,99 @@ def register() -> None:
     logger.info("kvasync: vLLM plugin installed (vLLM %s)", vllm_version())
 
 
+def executor_kind(executor: Any) -> str:
+    """``"uni"`` for an executor whose worker runs in the EngineCore's process, ``"mp"`` for
+    vLLM's multiprocess executor on one node (its workers are the EngineCore's children).
+
+    Raises:
+        UnsupportedVLLM: any other executor (Ray, an external launcher, several nodes), naming it.
+    """
+    names = [cls.__name__ for cls in type(executor).__mro__]
+    parallel = executor.vllm_config.parallel_config
+    if "ExecutorWithExternalLauncher" not in names and not any("Ray" in n for n in names):
+        if "UniProcExecutor" in names:
+            return "uni"
+        if "MultiprocExecutor" in names and int(getattr(parallel, "nnodes", 1)) == 1:
+            if int(parallel.pipeline_parallel_size) != 1:
+                raise UnsupportedVLLM(
+                    "kvasync's vLLM plugin supports tensor parallelism, not pipeline "
+                    f"parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size})"
+                )
+            return "mp"
+    raise UnsupportedVLLM(
+        f"kvasync's vLLM plugin runs with vLLM's uniprocess or multiprocess executor on one "
+        f"node, not {type(executor).__name__}: use distributed_executor_backend='uni' or 'mp', "
+        "or run without kvasync"
+    )
+
+
+def _open_engine_for_workers(executor: Any, kv_cache_configs: Any, settings: PluginSettings) -> Any:
+    """Opens the EngineCore's allocator for workers in their own processes (Note [Page ids
+    across processes and ranks]) and starts taking its null block; returns the holder."""
+    from ._engine import register_engine, take_engine
+    from ._ranks import NullBlockHolder, cuda_page_size, open_scheduler_engine
+    from ._worker import kv_layout_for, reserve_pages_for, step_blocks
+
+    vllm_config = executor.vllm_config
+    layout = kv_layout_for(kv_cache_configs[0])
+    page_size = layout.page_unit(cuda_page_size(layout.range_block_bytes, 0))
+    reserve = reserve_pages_for(layout, page_size, step_blocks(vllm_config, layout.block_size))
+    previous = take_engine()
+    if previous is not None:
+        previous.allocator.close()
+    engine = open_scheduler_engine(
+        kv_cache_configs,
+        num_ranks=int(vllm_config.parallel_config.world_size),
+        settings=settings,
+        name=settings.name or f"vllm:{vllm_config.model_config.served_model_name}",
+        reserve=reserve,
+        page_size=page_size,
+    )
+    register_engine(engine)
+    logger.info(
+        "kvasync: %d KV blocks for %d worker process(es), page %d bytes a layer, reserve %s",
+        engine.allocator.num_blocks,
+        vllm_config.parallel_config.world_size,
+        page_size,
+        reserve,
+    )
+    return NullBlockHolder(engine.allocator)
+
+
 def _patch_worker(
     settings: PluginSettings,
     allocate: tuple[Any, str, Any],
     allocate_v2: tuple[Any, str, Any],
     available: tuple[Any, str, Any],
     request: tuple[Any, str, Any],
+    executor_init: tuple[Any, str, Any],
 ) -> None:
     from ._worker import allocate_kv_cache_tensors
 
-    def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
+    def allocate_tensors(kv_cache_config: Any, device: Any, vllm_config: Any, **layers: Any) -> Any:
+        if vllm_config.parallel_config.distributed_executor_backend == "mp":
+            # A worker process: the EngineCore's allocator decides, this rank maps.
+            from ._ranks import rank_kv_cache_tensors
+
+            distributed = importlib.import_module("vllm.distributed")
+
+            return rank_kv_cache_tensors(
+                kv_cache_config,
+                device=device,
+                vllm_config=vllm_config,
+                settings=settings,
+                rank=int(distributed.get_tensor_model_parallel_rank()),
+                **layers,
+            )
         return allocate_kv_cache_tensors(
+            kv_cache_config, device=device, vllm_config=vllm_config, settings=settings, **layers
+        )
+
+    def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
+        return allocate_tensors(
             kv_cache_config,
-            device=self.device,
-            vllm_config=self.vllm_config,
-            settings=settings,
+            self.device,
+            self.vllm_config,
             skip_layers=frozenset(self.runner_only_attn_layers),
         )
 
@@ -340,13 +446,27 @@ def _patch_worker(
         # Called inside Worker.initialize_from_config, under vLLM's set_current_vllm_config.
         current = importlib.import_module("vllm.config").get_current_vllm_config
 
-        return allocate_kv_cache_tensors(
-            kv_cache_config,
-            device=device,
-            vllm_config=current(),
-            settings=settings,
-            shared_layers=frozenset(shared_layers),
+        return allocate_tensors(
+            kv_cache_config, device, current(), shared_layers=frozenset(shared_layers)
         )
+
+    stock_init: Callable[[Any, Any], None] = executor_init[2]
+
+    def initialize_from_config(self: Any, kv_cache_configs: Any) -> None:
+        if executor_kind(self) == "uni":
+            return stock_init(self, kv_cache_configs)
+        from ._engine import take_engine
+
+        holder = _open_engine_for_workers(self, kv_cache_configs, settings)
+        try:
+            stock_init(self, kv_cache_configs)  # the workers join, map block 0's page, compile
+            holder.wait()
+        except BaseException:
+            engine = take_engine()
+            if engine is not None:
+                engine.allocator.close()  # the group's ranks unmap and leave
+            raise
+        return None
 
     stock_available: Callable[[Any], int] = available[2]
 
@@ -370,3 +490,4 @@ def _patch_worker(
     _replace(allocate_v2[0], allocate_v2[1], kv_cache_tensors_v2)
     _replace(available[0], available[1], determine_available_memory)
     _replace(request[0], request[1], request_memory)
+    _replace(executor_init[0], executor_init[1], initialize_from_config)

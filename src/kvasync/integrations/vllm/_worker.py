@@ -14,7 +14,7 @@ from ..._sync import open_allocator_sync
 from ._engine import EngineKV, hold_null_block, register_engine, take_engine
 from ._settings import PluginSettings
 
-__all__ = ["allocate_kv_cache_tensors", "kv_layout_for"]
+__all__ = ["allocate_kv_cache_tensors", "kv_layout_for", "reserve_pages_for", "step_blocks"]
 
 logger = logging.getLogger("kvasync.vllm")
 
@@ -83,7 +83,7 @@ def step_blocks(vllm_config: Any, block_size: int) -> int:
     return math.ceil(tokens / block_size) + int(scheduler.max_num_seqs)
 
 
-def _reserve_pages(layout: KVLayout, page_size: int, headroom_blocks: int) -> tuple[int, int]:
+def reserve_pages_for(layout: KVLayout, page_size: int, headroom_blocks: int) -> tuple[int, int]:
     """The reserve that keeps ``headroom_blocks`` mapped ahead of the scheduler (low watermark),
     and twice that before unmapping freed pages (high), so that a step's pages are mapped before
     it asks and a burst of frees does not unmap what the next burst maps again."""
@@ -136,7 +136,7 @@ def allocate_kv_cache_tensors(
         default_timeout=_OPEN_TIMEOUT,
     )
     page_size = layout.page_unit(page_size_for(layout, base))
-    reserve = _reserve_pages(layout, page_size, headroom)
+    reserve = reserve_pages_for(layout, page_size, headroom)
     config = Config(
         backend="cuda",
         device=ordinal,

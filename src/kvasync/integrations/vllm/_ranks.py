@@ -1,0 +1,305 @@
+"""Workers in their own processes (vLLM's multiprocess executor, tensor parallelism): one
+scheduler's page decisions mapped in every worker (Note [Page ids across processes and ranks]).
+
+The EngineCore opens the engine's allocator as a tensor-parallel group's scheduler that holds no
+KV memory (``open_scheduler_engine``); each worker joins the group as a rank
+(``open_rank_tensors``) and returns views over its own range, which the group maps as the
+scheduler decides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ... import _core
+from ..._config import Config
+from ..._errors import AllocTimeout, KVAsyncError, MapError
+from ..._group import RankMapper, TensorParallel, group_geometry
+from ..._sync import SyncAllocator, open_allocator_sync
+from ._engine import EngineKV, hold_null_block
+from ._settings import PluginSettings
+from ._worker import kv_layout_for, reserve_pages_for
+
+__all__ = [
+    "NullBlockHolder",
+    "RankKV",
+    "cuda_page_size",
+    "group_name_for",
+    "open_rank_tensors",
+    "open_scheduler_engine",
+    "rank_kv_cache_tensors",
+]
+
+# Joining, and the null block's page mapped on every rank: the workers join while the EngineCore
+# waits for their initialize_from_config, after compiling nothing yet.
+_JOIN_TIMEOUT = 60.0
+# A map through the group waits this long for every rank (then it is a miss, never a hang).
+_MAP_TIMEOUT = 5.0
+
+
+def group_name_for(engine_pid: int) -> str:
+    """The group of the EngineCore process ``engine_pid``: vLLM's multiprocess executor starts
+    its workers as that process's children, so a worker finds it as ``os.getppid()``."""
+    return f"vllm-engine-{engine_pid}"
+
+
+def open_scheduler_engine(
+    kv_cache_configs: Sequence[Any],
+    *,
+    num_ranks: int,
+    settings: PluginSettings,
+    name: str,
+    reserve: tuple[int, int],
+    page_size: int,
+    group: str | None = None,
+    map_timeout: float = _MAP_TIMEOUT,
+) -> EngineKV:
+    """The EngineCore's allocator: the scheduler of a group of ``num_ranks`` worker processes.
+
+    It reserves address space of the workers' geometry on the host backend (never mapped: the
+    ``TensorParallel(map_local=False)`` scheduler holds no KV memory), and every map it makes is
+    made by each rank's ``RankMapper`` before an alloc completes. ``page_size``: bytes per range
+    of a page id, a multiple of the ranks' device granularity.
+
+    Raises:
+        ValueError: the workers' KV caches differ (the plugin lays out one geometry), or a KV
+            cache it does not lay out (``kv_layout_for``).
+        KVAsyncError: the group's name is in use by a live EngineCore.
+    """
+    layouts = {kv_layout_for(config) for config in kv_cache_configs}
+    blocks = {int(config.num_blocks) for config in kv_cache_configs}
+    if len(layouts) != 1 or len(blocks) != 1:
+        raise ValueError(
+            "kvasync's vLLM plugin needs every worker's KV cache of one geometry (tensor "
+            f"parallelism splits heads evenly), got {len(layouts)} layouts and block counts "
+            f"{sorted(blocks)}"
+        )
+    layout = layouts.pop()
+    config = Config(
+        backend="host",
+        max_blocks=blocks.pop(),
+        page_size=layout.page_unit(page_size),
+        memory_limit=settings.memory_limit,
+        share=settings.share,
+        device_budget=settings.device_budget,
+        name=name,
+        default_timeout=_JOIN_TIMEOUT,
+        reserve_pages=reserve,
+        tensor_parallel=TensorParallel(
+            group or group_name_for(os.getpid()),
+            num_ranks,
+            map_timeout=map_timeout,
+            unmap_timeout=map_timeout,
+            map_local=False,
+        ),
+    )
+    kv = open_allocator_sync(layout, config)
+    prefix = settings.prefix_cache_bytes
+    return EngineKV(
+        allocator=kv,
+        fence=None,  # the GPU work is the ranks'; Note [Page ids across processes and ranks]
+        prefix_cache_blocks=(
+            None if prefix is None else prefix // (layout.range_block_bytes * layout.num_layers)
+        ),
+    )
+
+
+class NullBlockHolder:
+    """Takes block 0 (vLLM's null block) on a thread of its own, retrying while ranks join.
+
+    The group maps page 0 on every rank only once they have all joined, which they do inside
+    vLLM's ``initialize_from_config`` RPC, while the EngineCore's thread waits for it: so the map
+    is asked from another thread, and retried until ``timeout`` (a map waits ``_MAP_TIMEOUT`` for
+    an absent rank, then fails).
+    """
+
+    def __init__(self, kv: SyncAllocator, timeout: float = _JOIN_TIMEOUT) -> None:
+        self._kv = kv
+        self._deadline = time.monotonic() + timeout
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvasync-null-block", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failed: MapError | None = None
+        while True:
+            left = self._deadline - time.monotonic()
+            try:
+                hold_null_block(self._kv, max(0.001, left))
+                return
+            except MapError as error:  # a rank not there yet: the map waited, then failed
+                failed = error
+                if time.monotonic() >= self._deadline:
+                    self._error = error
+                    return
+            except AllocTimeout as error:  # the deadline: the last map's failure says why
+                self._error = failed or error
+                return
+            except BaseException as error:  # handed to the joining thread
+                self._error = error
+                return
+
+    def wait(self) -> None:
+        """Waits for block 0 until the deadline.
+
+        Raises:
+            KVAsyncError: block 0's page was not mapped on every rank in time (the error names
+                the rank that did not join or failed).
+        """
+        self._thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
+        if self._thread.is_alive():
+            raise KVAsyncError(
+                "kvasync's vLLM plugin: the null block's page was not mapped in time"
+            )
+        if self._error is not None:
+            raise self._error
+
+
+class RankKV:
+    """A worker's side of the group: its backend, its ``RankMapper``, and its KV tensors."""
+
+    def __init__(self, mapper: RankMapper, tensors: dict[str, torch.Tensor]) -> None:
+        self.mapper = mapper
+        self.tensors = tensors
+
+    def close(self) -> None:
+        """Unmaps this rank's pages and leaves the group."""
+        self.mapper.close()
+
+
+def open_rank_tensors(
+    kv_cache_config: Any,
+    *,
+    rank: int,
+    group: str,
+    make_backend: Callable[[int, int, int], _core.Backend],
+    range_tensor: Callable[[_core.Backend, int], torch.Tensor],
+    zero: bool = True,
+    timeout: float = _JOIN_TIMEOUT,
+) -> RankKV:
+    """Joins ``group`` as ``rank`` and returns views over this process's ranges.
+
+    ``make_backend(num_ranges, num_pages, page_size)`` reserves this rank's ranges (the cuda
+    backend on the worker's device); ``range_tensor(backend, i)`` is a uint8 tensor over range
+    ``i``. Returns once block 0's page is mapped here (zeroed when ``zero``), as vLLM's dummy
+    runs write there.
+
+    Raises:
+        KVAsyncError: no group within ``timeout``, a geometry that is not this worker's, a rank
+            taken, or block 0's page not mapped in time.
+    """
+    layout = kv_layout_for(kv_cache_config)
+    geometry = group_geometry(group, timeout)
+    needed = int(kv_cache_config.num_blocks) * layout.range_block_bytes
+    span = geometry["num_pages"] * geometry["page_size"]
+    if geometry["num_ranges"] != layout.num_ranges or span < needed:
+        raise KVAsyncError(
+            f"kvasync's vLLM plugin: group {group!r} has {geometry['num_ranges']} ranges of "
+            f"{span} bytes, this worker's KV cache needs {layout.num_ranges} of {needed}"
+        )
+    backend = make_backend(geometry["num_ranges"], geometry["num_pages"], geometry["page_size"])
+    mapper = RankMapper(group, rank, backend, timeout=timeout)
+    try:
+        deadline = time.monotonic() + timeout
+        while 0 not in mapper.mapped_page_ids():  # the scheduler's null block (NullBlockHolder)
+            if mapper.left or time.monotonic() > deadline:
+                raise KVAsyncError(
+                    f"kvasync's vLLM plugin: rank {rank} of group {group!r}: the null block's "
+                    f"page was not mapped within {timeout} s ({mapper.left_reason or 'no map'})"
+                )
+            time.sleep(0.001)
+        views = [
+            range_tensor(backend, index)[:needed].view(torch.int8)
+            for index in range(layout.num_ranges)
+        ]
+        if zero:
+            for view in views:
+                view[: layout.range_block_bytes].zero_()
+        tensors: dict[str, torch.Tensor] = {}
+        for index, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+            for layer_name in tensor.shared_by:
+                tensors[layer_name] = views[index]
+    except BaseException:
+        mapper.close()
+        raise
+    return RankKV(mapper, tensors)
+
+
+def cuda_page_size(layout_bytes: int, device: int) -> int:
+    """The page of the cuda backend's default: the driver's granularity, at least a block."""
+    granularity = _core.cuda_granularity(device)
+    return max(granularity, math.ceil(layout_bytes / granularity) * granularity)
+
+
+def rank_kv_cache_tensors(
+    kv_cache_config: Any,
+    *,
+    device: torch.device,
+    vllm_config: Any,
+    settings: PluginSettings,
+    rank: int,
+    skip_layers: frozenset[str] = frozenset(),
+    shared_layers: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
+    """What vLLM's KV allocation returns in a worker process: views over this rank's cuda range,
+    mapped as the EngineCore's allocator decides (its group: ``group_name_for(os.getppid())``).
+
+    Raises:
+        ValueError: a KV cache this plugin does not lay out, or tensors that do not cover the
+            attention layers.
+        KVAsyncError: as ``open_rank_tensors``.
+    """
+    from ..._backends import range_tensor
+    from ._worker import step_blocks
+
+    global _rank
+    if _rank is not None:  # a KV cache sized again: the earlier views are gone by then
+        _rank.close()
+        _rank = None
+    layout = kv_layout_for(kv_cache_config)
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+
+    def make_backend(num_ranges: int, num_pages: int, page_size: int) -> _core.Backend:
+        granularity = _core.cuda_granularity(ordinal)
+        if page_size % granularity:
+            raise KVAsyncError(
+                f"kvasync's vLLM plugin: the group's page of {page_size} bytes is not a multiple "
+                f"of device {ordinal}'s granularity ({granularity} bytes)"
+            )
+        spare = reserve_pages_for(layout, page_size, step_blocks(vllm_config, layout.block_size))[1]
+        return _core.CudaBackend(
+            ordinal, num_ranges, num_pages, page_size, 0 if settings.share else spare, 0.95
+        )
+
+    ranked = open_rank_tensors(
+        kv_cache_config,
+        rank=rank,
+        group=group_name_for(os.getppid()),
+        make_backend=make_backend,
+        range_tensor=range_tensor,
+    )
+    expected = {
+        name
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+        if name not in skip_layers
+    }
+    tensors = {k: v for k, v in ranked.tensors.items() if k not in skip_layers}
+    if expected != set(tensors) | shared_layers:
+        ranked.close()
+        raise ValueError(
+            "kvasync's vLLM plugin: the KV tensors do not cover the attention layers "
+            f"(missing {sorted(expected - set(tensors))}, extra {sorted(set(tensors) - expected)})"
+        )
+    _rank = ranked
+    return tensors
+
+
+_rank: RankKV | None = None
