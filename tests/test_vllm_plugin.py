@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvasync import Config, KVLayout, OutOfBlocks, open_allocator_sync
+from kvasync import Config, KVLayout, OutOfBlocks, _core, open_allocator_sync
 from kvasync.integrations import vllm as plugin
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
 from kvasync.integrations.vllm._pool import counting_demand, make_block_pool_class
@@ -811,3 +811,32 @@ def test_the_executor_decides_where_the_engines_allocator_lives_and_others_are_r
         plugin.executor_kind(executor(MultiprocExecutor, nnodes=2))
     with pytest.raises(plugin.UnsupportedVLLM, match="pipeline_parallel_size=2"):
         plugin.executor_kind(executor(MultiprocExecutor, pipeline=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _core.cuda_problem(0) is not None,
+    reason="needs an NVIDIA GPU with a CUDA driver",
+)
+def test_a_tensor_parallel_ranks_unmap_waits_for_its_own_running_kernels() -> None:
+    from kvasync._backends import range_tensor
+
+    page = _core.cuda_granularity(0)
+    backend = _core.CudaBackend(0, 1, 4, page, 0, 0.95)
+    backend.sync_before_unmap = True  # as rank_kv_cache_tensors sets it
+    _core.backend_time_map(backend, 0, 1)
+    view = range_tensor(backend, 0)[:page]
+    torch.cuda._sleep(1000)  # the kernel loaded: the next launch is the spin alone
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(0.3 * 10_000_000 / (start.elapsed_time(end) / 1000))
+    torch.cuda._sleep(cycles)  # about 0.3 s of GPU work, then a write to the page
+    view.fill_(1)
+    done = torch.cuda.Event()
+    done.record()
+    assert not done.query()  # still running when the scheduler's unmap comes
+    _core.backend_time_unmap(backend, 0, 1)
+    assert done.query()  # the unmap waited for it, rather than pull the page from under it

@@ -427,6 +427,12 @@ BackendResult CudaBackend::unmap(int64_t first, int64_t count) {
   }
   const CUresult current = context_.make_current();
   if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
+  if (sync_before_unmap_) {  // never change a mapping under running GPU work (DESIGN.md, 6)
+    const CUresult synced = driver_.cuCtxSynchronize();
+    if (synced != CUDA_SUCCESS) {
+      return BackendResult::failure(driver_.failure(synced, "cuCtxSynchronize before an unmap"));
+    }
+  }
   BackendResult first_error;
   std::vector<std::unique_ptr<PhysicalPage>> freed;
   int64_t page = first;

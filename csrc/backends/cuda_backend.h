@@ -177,6 +177,11 @@ class CudaBackend final : public Backend {
   // Runs upkeep until nothing is left to create or release (for a backend used without a
   // pool, in tests and benchmarks). Returns false if `timeout_s` passed first.
   bool settle(double timeout_s);
+  // A tensor-parallel rank's backend (vLLM's worker process): each unmap first waits for all
+  // the work of this process on the device (cuCtxSynchronize), since the scheduler that frees
+  // the blocks is in another process and records no fence here. Set before the backend is used.
+  void set_sync_before_unmap(bool sync) { sync_before_unmap_ = sync; }
+  bool sync_before_unmap() const { return sync_before_unmap_; }
 
   // The driver's minimum allocation granularity of `device`. Throws BackendError.
   static int64_t device_granularity(int device);
@@ -205,6 +210,7 @@ class CudaBackend final : public Backend {
   int64_t num_pages_;
   int64_t page_size_;
   int64_t granularity_ = 0;
+  bool sync_before_unmap_ = false;
   double gpu_utilization_;
   cuda::CUmemAllocationProp prop_{};
   cuda::CUmemAccessDesc access_{};

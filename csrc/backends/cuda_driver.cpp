@@ -35,6 +35,7 @@ CudaDriver::CudaDriver() {
   resolve(library, "cuDevicePrimaryCtxRelease_v2", cuDevicePrimaryCtxRelease, problem);
   resolve(library, "cuCtxGetCurrent", cuCtxGetCurrent, problem);
   resolve(library, "cuCtxSetCurrent", cuCtxSetCurrent, problem);
+  resolve(library, "cuCtxSynchronize", cuCtxSynchronize, problem);
   resolve(library, "cuMemGetInfo_v2", cuMemGetInfo, problem);
   resolve(library, "cuMemGetAllocationGranularity", cuMemGetAllocationGranularity, problem);
   resolve(library, "cuMemAddressReserve", cuMemAddressReserve, problem);

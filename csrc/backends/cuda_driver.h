@@ -91,6 +91,7 @@ struct CudaDriver {
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;  // _v2
   CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
   CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxSynchronize)() = nullptr;
   CUresult (*cuMemGetInfo)(size_t*, size_t*) = nullptr;  // _v2
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, int) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,

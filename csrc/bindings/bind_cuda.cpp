@@ -276,6 +276,8 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("device", &CudaBackend::device)
       .def_property_readonly("granularity", &CudaBackend::granularity)
       .def("release_spare", &CudaBackend::release_spare, py::call_guard<py::gil_scoped_release>())
+      .def_property("sync_before_unmap", &CudaBackend::sync_before_unmap,
+                    &CudaBackend::set_sync_before_unmap)
       .def("settle", &CudaBackend::settle, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def("handle_stats", [](const CudaBackend& backend) {

@@ -71,10 +71,11 @@ process, and TP > 1) kvasync's tensor-parallel group carries the scheduler's map
   fails at once; the engine must be restarted.
 - Refused at start, naming the executor: Ray, an external launcher, several nodes, pipeline
   parallelism.
-- Limitation: a rank does not wait for its own CUDA stream before an unmap (the RankMapper
-  unmaps as soon as the scheduler asks). The EngineCore frees a block after vLLM has the step's
-  output, but with async scheduling the next step may still read a finished request's blocks;
-  the reserve (twice a step's blocks) keeps such pages mapped unless the free pages exceed it.
+- A rank waits for its own GPU work before an unmap: the EngineCore frees blocks with no fence
+  of the worker's streams (with async scheduling the next step may still read a finished
+  request's blocks), so the rank's cuda backend synchronizes its context before each unmap
+  (``CudaBackend.sync_before_unmap``, on the RankMapper's thread, never the engine loop's). The
+  scheduler waits for that within ``unmap_timeout``.
 - With ``KVASYNC_SHARE`` the share is charged once per page, for the engine, not per device.
 """
 

@@ -274,9 +274,14 @@ def rank_kv_cache_tensors(
                 f"of device {ordinal}'s granularity ({granularity} bytes)"
             )
         spare = reserve_pages_for(layout, page_size, step_blocks(vllm_config, layout.block_size))[1]
-        return _core.CudaBackend(
+        backend = _core.CudaBackend(
             ordinal, num_ranges, num_pages, page_size, 0 if settings.share else spare, 0.95
         )
+        # The EngineCore frees blocks with no fence of this process's GPU work (async
+        # scheduling may still be reading a finished request's blocks): every unmap here waits
+        # for this process's work on the device first.
+        backend.sync_before_unmap = True
+        return backend
 
     ranked = open_rank_tensors(
         kv_cache_config,
