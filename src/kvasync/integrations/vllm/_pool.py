@@ -33,10 +33,12 @@ the mapper would stall the engine loop (the scheduler step). Instead:
   is running: it has computed tokens and no new prefix hits, and this is not an admission
   check).
 - ``get_num_free_blocks`` then takes up to ``n`` mapped free blocks from the allocator
-  (``alloc_nowait``, never a wait) into the pool's pocket; what it counts beyond the pocket is
-  only what can be handed out without waiting: mapped free blocks and queued cached blocks the
-  rule below lets it evict. The pocket is the promise: those blocks are the pool's, so no trim,
-  drain or neighbour can take them between the count and ``get_new_blocks``.
+  (``alloc_nowait``, never a wait; one call on the hot path) into the pool's pocket. When the
+  pocket holds ``n``, the count adds the queue and the allocator's room (what vLLM counts beyond
+  its demand is only headroom: it allocates exactly what it counted). When it holds fewer, the
+  count beyond the pocket is only the queued cached blocks the rule below lets it evict. The
+  pocket is the promise: those blocks are the pool's, so no trim, drain or neighbour can take
+  them between the count and ``get_new_blocks``.
 - A shortfall the budget can still map is asked of the mapper at once (``alloc_nowait`` of the
   shortfall, whose miss starts mapping it in the background), and is a miss for this step: the
   next step finds the pages mapped. A map failure therefore never meets a block vLLM counted:
@@ -63,7 +65,6 @@ rare.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -316,33 +317,30 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _promise(self, demand: Demand, queued: int) -> int:
             """The free count for ``demand`` (Note [Count only what is mapped])."""
             n = demand.blocks
+            kv = self._kv
             self._give_back_pocket(n)
             short = n - len(self._pocket)
             if short > 0:
-                self._pocket += self._mapped_now(short)
+                try:  # the hot path: mapped free blocks, taken in one call
+                    self._pocket += kv.alloc_nowait(short)
+                except (WouldBlock, OutOfBlocks):
+                    # The miss asked the mapper for what the budget allows of the shortfall
+                    # (mapping ahead, in the background); take what is mapped now.
+                    self._pocket += self._mapped_now(short)
                 short = n - len(self._pocket)
-            mapped = self._mapped_free()
             if short <= 0:
+                # The demand is the pool's own now. vLLM allocates exactly it; what it counts
+                # beyond (a watermark, blocks reserved for other sequences) is headroom.
                 self._may_evict = 0
-                return len(self._pocket) + mapped + queued
-            kv = self._kv
-            room = kv.available_blocks()  # mapped free, on their way in, and mappable
-            if room > mapped:
-                # Map ahead what the budget allows of the shortfall; the miss starts it.
-                with contextlib.suppress(WouldBlock, OutOfBlocks):
-                    self._pocket += kv.alloc_nowait(min(short, room))
-                short = n - len(self._pocket)
-                if short <= 0:
-                    self._may_evict = 0
-                    return len(self._pocket) + self._mapped_free() + queued
-                room = kv.available_blocks()
+                return len(self._pocket) + queued + kv.available_blocks()
+            room = kv.available_blocks()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
             if self._may_evict < short:
                 self.num_map_ahead_misses += 1
             elif demand.running and lacking < short:
                 self.num_lag_evictions += short - lacking
-            return len(self._pocket) + mapped + self._may_evict
+            return len(self._pocket) + self._may_evict
 
         def _from_pocket(self, n: int) -> list[int]:
             pocket = self._pocket
