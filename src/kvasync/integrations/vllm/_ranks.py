@@ -296,7 +296,7 @@ def rank_kv_cache_tensors(
         for name in group.layer_names
         if name not in skip_layers
     }
-    tensors = {k: v for k, v in ranked.tensors.items() if k not in skip_layers}
+    tensors = ranked.tensors  # as the in-process path returns them (_worker)
     if expected != set(tensors) | shared_layers:
         ranked.close()
         raise ValueError(
