@@ -93,8 +93,10 @@ Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (
 plugin, kvasync.integrations.vllm); it is not wired yet and says so.
 
 Usage: python bench/bench_colocate_many.py --preset tiny --device cpu --engines 2 --duration 10
-On the H200 (one call: 6 min 3 s with the build in a rehearsal with --compute-duration 12; 20
-makes the compute case overload as bench_serving's does, about 30 s more):
+On the H200 (one call; a rehearsal at cb4a3e1 took 6 min 43 s with the build: N=4 shared 715
+within SLO vs static 1/N 226 (3.16x) and static by shared peaks 523; N=2 662 vs 590; the
+compute case 604 vs 371, where static halves queued for memory; the regime check said
+memory-bound in each):
   python bench/bench_colocate_many.py --preset small --device cuda --engines 4 2 --duration 36 \
     --compute-duration 20 --calibration-s 6 --best-static "shared peaks"
 Writes the tables (results_<preset>.md), the plots (PNG) and summary.json to --out.
