@@ -105,6 +105,23 @@ def test_an_untested_vllm_is_refused_naming_the_tested_versions() -> None:
     plugin.check_version("0.99.0", env={plugin.ANY_VERSION: "1"})
 
 
+def test_a_vllm_whose_pool_alone_is_tested_is_refused_for_an_engine_saying_so() -> None:
+    plugin.check_version("0.33.0", env={}, pool_only=True)  # vLLM's own tests, the pool alone
+    with pytest.raises(plugin.UnsupportedVLLM, match=r"block pool alone is tested with .*0\.33"):
+        plugin.check_version("0.33.0", env={})
+    with pytest.raises(plugin.UnsupportedVLLM, match=r"not 0\.99\.0: install"):
+        plugin.check_version("0.99.0", env={}, pool_only=True)
+
+
+def test_a_seam_accepts_the_signature_of_another_tested_version_only() -> None:
+    free = ("self", "ids", "after")
+    older = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids"), also=(free,))
+    assert older.resolve()[1] == "free"
+    other = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids"), also=(("x",),))
+    with pytest.raises(plugin.UnsupportedVLLM, match="has parameters"):
+        other.resolve()
+
+
 def test_register_refuses_an_untested_vllm_before_patching(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

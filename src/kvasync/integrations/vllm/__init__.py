@@ -97,8 +97,11 @@ __all__ = ["TESTED", "UnsupportedVLLM", "register"]
 
 logger = logging.getLogger("kvasync.vllm")
 
-# vLLM releases the plugin was run against, end to end or through vLLM's own tests.
+# vLLM releases the plugin was run against end to end (worker and scheduler).
 TESTED: tuple[str, ...] = ("0.26.0",)
+# Releases whose scheduler side (the block pool) was run through vLLM's own tests: the pool alone
+# (KVASYNC_VLLM_HOST_POOL=1, as `make vllm-test` runs it) is allowed on these.
+SCHEDULER_TESTED: tuple[str, ...] = ("0.26.0", "0.33.0")
 ANY_VERSION = "KVASYNC_VLLM_ANY_VERSION"
 
 
@@ -108,11 +111,13 @@ class UnsupportedVLLM(RuntimeError):
 
 @dataclass(frozen=True)
 class Seam:
-    """One attribute the plugin replaces, and the parameters it must have."""
+    """One attribute the plugin replaces, and the parameters it must have (``parameters``, or
+    one of ``also``: the same seam as another tested vLLM has it)."""
 
     module: str
     attribute: str  # "Name" or "Class.method"
     parameters: tuple[str, ...]
+    also: tuple[tuple[str, ...], ...] = ()
 
     def resolve(self) -> tuple[Any, str, Any]:
         """(owner, name, current value).
@@ -134,24 +139,26 @@ class Seam:
             raise UnsupportedVLLM(f"{self.module}.{self.attribute} is missing")
         target = value.__init__ if inspect.isclass(value) else value
         found = tuple(inspect.signature(target).parameters)
-        if found != self.parameters:
+        if found != self.parameters and found not in self.also:
             raise UnsupportedVLLM(
                 f"{self.module}.{self.attribute} has parameters {found}, expected {self.parameters}"
             )
         return owner, name, getattr(owner, name)
 
 
+_POOL_INIT = (
+    "self",
+    "num_gpu_blocks",
+    "enable_caching",
+    "hash_block_size",
+    "enable_kv_cache_events",
+    "metrics_collector",
+)
 BLOCK_POOL = Seam(
     "vllm.v1.core.kv_cache_coordinator",
     "BlockPool",
-    (
-        "self",
-        "num_gpu_blocks",
-        "enable_caching",
-        "hash_block_size",
-        "enable_kv_cache_events",
-        "metrics_collector",
-    ),
+    _POOL_INIT,
+    also=((*_POOL_INIT, "num_hash_lookahead_tokens", "medium"),),  # 0.33
 )
 # The coordinator's count of the blocks an allocation needs, which the pool is told (Note [Count
 # only what is mapped] in _pool).
@@ -168,6 +175,20 @@ COORDINATOR_COUNT = Seam(
         "num_local_computed_tokens",
         "num_tokens_main_model",
         "apply_admission_cap",
+    ),
+    also=(
+        (  # 0.33
+            "self",
+            "request_id",
+            "num_tokens",
+            "new_computed_blocks",
+            "num_encoder_tokens",
+            "total_computed_tokens",
+            "num_local_computed_tokens",
+            "num_tokens_main_model",
+            "apply_admission_cap",
+            "prefill_end",
+        ),
     ),
 )
 # The methods of vLLM's BlockPool and FreeKVCacheBlockQueue that the pool overrides or calls.
@@ -215,18 +236,32 @@ def vllm_version() -> str:
     return str(vllm.__version__).split("+", 1)[0]
 
 
-def check_version(version: str, env: dict[str, str] | None = None) -> None:
+def check_version(
+    version: str, env: dict[str, str] | None = None, *, pool_only: bool = False
+) -> None:
     """Refuses a vLLM the plugin was not tested with.
 
+    ``pool_only``: only the scheduler's block pool is installed (vLLM's own tests), which is
+    tested on ``SCHEDULER_TESTED``.
+
     Raises:
-        UnsupportedVLLM: ``version`` is not in ``TESTED`` (and ``KVASYNC_VLLM_ANY_VERSION`` is
-            not 1), naming the tested versions and how to go on.
+        UnsupportedVLLM: ``version`` is not in ``TESTED`` (``SCHEDULER_TESTED`` for the pool
+            alone) and ``KVASYNC_VLLM_ANY_VERSION`` is not 1, naming the tested versions and
+            how to go on.
     """
     env = dict(os.environ) if env is None else env
-    if version in TESTED or env.get(ANY_VERSION) == "1":
+    tested = SCHEDULER_TESTED if pool_only else TESTED
+    if version in tested or env.get(ANY_VERSION) == "1":
         return
+    pool_note = (
+        f" (its block pool alone is tested with {', '.join(SCHEDULER_TESTED)} through vLLM's "
+        "own tests; the worker side is not)"
+        if version in SCHEDULER_TESTED
+        else ""
+    )
     raise UnsupportedVLLM(
-        f"kvasync's vLLM plugin was tested with vLLM {', '.join(TESTED)}, not {version}: "
+        f"kvasync's vLLM plugin was tested with vLLM {', '.join(TESTED)}, not {version}"
+        f"{pool_note}: "
         f"install one of those, or unset KVASYNC_SHARE/KVASYNC_DEVICE_BUDGET/"
         f"KVASYNC_MEMORY_LIMIT/KVASYNC_VLLM to run vLLM without kvasync "
         f"({ANY_VERSION}=1 tries it anyway; the seams are still checked)"
@@ -319,7 +354,7 @@ def register() -> None:
     settings = read_settings()
     if not settings.enabled or _registered:
         return
-    check_version(vllm_version())
+    check_version(vllm_version(), pool_only=settings.host_pool)
     pool_owner, pool_name, block_pool = BLOCK_POOL.resolve()
     for seam in POOL_METHODS:
         seam.resolve()

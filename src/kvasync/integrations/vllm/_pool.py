@@ -65,11 +65,12 @@ rare.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..._errors import AllocTimeout, OutOfBlocks, WouldBlock
@@ -93,41 +94,33 @@ class Demand(NamedTuple):
 
 def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
     """``KVCacheCoordinator.get_num_blocks_to_allocate`` that also tells the coordinator's
-    pool the demand it counted (Note [Count only what is mapped])."""
+    pool the demand it counted (Note [Count only what is mapped]).
 
-    def get_num_blocks_to_allocate(
-        self: Any,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: tuple[Sequence[Any], ...],
-        num_encoder_tokens: int,
-        total_computed_tokens: int,
-        num_local_computed_tokens: int,
-        num_tokens_main_model: int,
-        apply_admission_cap: bool = False,
-    ) -> int:
-        blocks = stock(
-            self,
-            request_id,
-            num_tokens,
-            new_computed_blocks,
-            num_encoder_tokens,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-        )
+    Its parameters are the checked ones of this vLLM (0.33 added ``prefill_end``): the three it
+    reads are found by name, positionally or by keyword.
+    """
+    names = list(inspect.signature(stock).parameters)
+    computed_at = names.index("new_computed_blocks")
+    local_at = names.index("num_local_computed_tokens")
+    admission_at = names.index("apply_admission_cap")
+
+    def argument(args: tuple[Any, ...], kwargs: dict[str, Any], at: int, default: Any) -> Any:
+        # ``args`` start after self: parameter ``at`` (counting self) is args[at - 1].
+        return args[at - 1] if len(args) >= at else kwargs.get(names[at], default)
+
+    def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
+        blocks = int(stock(self, *args, **kwargs))
         expect = getattr(self.block_pool, "expect", None)
         if expect is not None:
             # Running: it computed tokens before and hits no new prefix; an admission check
             # (the full sequence of a waiting request) is not.
             running = (
-                not apply_admission_cap
-                and num_local_computed_tokens > 0
-                and not any(new_computed_blocks)
+                not argument(args, kwargs, admission_at, False)
+                and argument(args, kwargs, local_at, 0) > 0
+                and not any(argument(args, kwargs, computed_at, ()))
             )
-            expect(Demand(int(blocks), running))
-        return int(blocks)
+            expect(Demand(blocks, running))
+        return blocks
 
     return get_num_blocks_to_allocate
 
@@ -153,22 +146,18 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             num_gpu_blocks: int,
             enable_caching: bool,
             hash_block_size: int,
-            enable_kv_cache_events: bool = False,
-            metrics_collector: Any = None,
+            *args: Any,
+            **kwargs: Any,
         ) -> None:
+            # The rest as the checked BlockPool.__init__ of this vLLM has them (0.33 added
+            # num_hash_lookahead_tokens and medium).
             engine: EngineKV = find_engine(num_gpu_blocks)
             if engine.allocator.num_blocks != num_gpu_blocks:
                 raise ValueError(
                     f"kvasync's vLLM plugin: the scheduler's pool has {num_gpu_blocks} blocks but "
                     f"the worker's allocator {engine.allocator.num_blocks}"
                 )
-            super().__init__(
-                num_gpu_blocks,
-                enable_caching,
-                hash_block_size,
-                enable_kv_cache_events,
-                metrics_collector,
-            )
+            super().__init__(num_gpu_blocks, enable_caching, hash_block_size, *args, **kwargs)
             # vLLM made every block free and popped block 0 as the null block; kvasync's block 0
             # is held by the worker (hold_null_block). The rest are kvasync's until handed out.
             queue_type = type(self.free_block_queue)
@@ -236,16 +225,24 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def free_blocks(self, ordered_blocks: Any) -> None:
             cached = []
             released = []
+            others: dict[Any, list[Any]] = {}
             for block in ordered_blocks:
+                owner = getattr(block, "pool", None)  # vLLM 0.33: a block of another pool
+                if owner is not None and owner is not self:
+                    others.setdefault(owner, []).append(block)
+                    continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
-                    if block.block_hash is None:
-                        released.append(block.block_id)
+                    # No prefix will hit it (no hash, or caching off): kvasync's at once.
+                    if block.block_hash is None or not self.enable_caching:
+                        released.append(block)
                     else:
                         cached.append(block)
             # vLLM's order: the first freed is the first evicted, so cached blocks go to the tail.
             self.free_block_queue.append_n(cached)
             self._release(released)
+            for owner, blocks in others.items():
+                owner.free_blocks(blocks)
             if self._pocket and self._num_running() == 0:
                 self._give_back_pocket(0)  # idle: the reserve policy decides what stays mapped
             self._trim_cached()
@@ -265,7 +262,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             cached = queue.popleft_n(queue.num_free_blocks)
             for block in cached:
                 self._maybe_evict_cached_block(block)
-            self._release([b.block_id for b in cached])
+            self._release(cached)
+            if getattr(self, "_reuse_watchers", None):  # vLLM 0.33: every watcher hears it
+                self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
             self.cached_block_hash_to_block = type(self.cached_block_hash_to_block)()
             self.cached_block_hashes_by_block.clear()
             if self.metrics_collector:
@@ -355,6 +354,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _evict(self, n: int) -> list[Any]:
             """``n`` blocks from vLLM's queue, first freed first, their cache entries dropped."""
             taken: list[Any] = self.free_block_queue.popleft_n(n)
+            self._notify_reused(taken)
             for block in taken:
                 self._maybe_evict_cached_block(block)
                 block.ref_cnt = 1
@@ -387,11 +387,20 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # blocks of vLLM's queue make up the rest, as vLLM would evict them.
             return list(kv.alloc(lacking, deadline=deadline)) if lacking > 0 else []
 
-        def _release(self, block_ids: list[int]) -> None:
-            if not block_ids:
+        def _release(self, blocks: list[Any]) -> None:
+            """Gives vLLM's ``blocks`` back to the allocator (after the worker's stream)."""
+            if not blocks:
                 return
+            self._notify_reused(blocks)
             after = self._fence() if self._fence is not None else None
-            self._kv.free(block_ids, after=after)
+            self._kv.free([b.block_id for b in blocks], after=after)
+
+        def _notify_reused(self, blocks: list[Any]) -> None:
+            """vLLM 0.33's ``unpin_blocks``: a block released with a watcher stays readable
+            until the pool reuses it; leaving vLLM's queue (to a request or to kvasync, whose
+            pages may be unmapped) is that reuse."""
+            if getattr(self, "_reuse_watchers", None):
+                self._notify_reuse(blocks)
 
         def _trim_cached(self) -> None:
             """Gives back cached free blocks beyond the bound, and cached and pocket blocks on
@@ -404,7 +413,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 for block in draining:
                     queue.remove(block)
                     self._maybe_evict_cached_block(block)
-                self._release([b.block_id for b in draining])
+                self._release(draining)
                 pocket = self._pocket
                 self._pocket = [i for i in pocket if i < drain]
                 if len(self._pocket) < len(pocket):
@@ -413,6 +422,6 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 surplus = queue.popleft_n(queue.num_free_blocks - keep)
                 for block in surplus:
                     self._maybe_evict_cached_block(block)
-                self._release([b.block_id for b in surplus])
+                self._release(surplus)
 
     return KVAsyncBlockPool
