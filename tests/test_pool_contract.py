@@ -102,6 +102,30 @@ async def test_trim_unmaps_a_map_whose_waiter_a_free_served_first(small_layout):
         kv.free([block])
 
 
+async def test_trim_unmaps_the_pages_of_an_unmap_dropped_at_its_deadline(small_layout):
+    # A free's unmap waits in the mapper's queue behind a slow one and is dropped at its deadline
+    # (default_timeout): its page is mapped-free again. A trim called meanwhile waited for that
+    # unmap; it completed as if it had run, leaving the page mapped (seen by group_stress with
+    # slow ranks). It must sweep again.
+    faults = FaultInjector()
+    cfg = host_config(default_timeout=0.3, faults=faults)
+    page = first_page_blocks(small_layout)
+    async with kvasync.open_allocator(small_layout, cfg) as kv:
+        first, second = await kv.alloc(page, timeout=5.0), await kv.alloc(page, timeout=5.0)
+        assert kv.stats().mapped_pages == 2
+        faults.delay(0.8)  # each unmap: longer than an unmap's deadline
+        kv.free(first)
+        await wait_until(lambda: kv.stats().mapper_op is not None)  # the first unmap running
+        kv.free(second)  # its unmap queued behind, due in 0.3 s
+        try:
+            await kv.trim(timeout=5.0)
+            stats = kv.stats()
+            assert stats.dropped_jobs >= 1  # the second unmap was dropped, as this test means
+            assert (stats.mapped_pages, stats.reserve_pages) == (0, 0)
+        finally:
+            faults.release()
+
+
 # -- capacity and sizes (defect 6) ----------------------------------------------------------------
 
 

@@ -46,8 +46,10 @@
 //      called lands in the reserve afterwards. Every job gets a sequence number when queued; a
 //      trim records the next one, unmaps the reserve at once and again each time a map queued
 //      before it lands, and completes when none is left in flight and the unmaps queued up to
-//      its last sweep are done (a bounded number of sweeps, even while frees go on). A refill
-//      not yet started is dropped at once, and none is planned until the next alloc.
+//      its last sweep are done (a bounded number of sweeps, even while frees go on). An unmap
+//      it waited for that is dropped at its deadline (its pages mapped-free again) makes it
+//      sweep again. A refill not yet started is dropped at once, and none is planned until the
+//      next alloc.
 //
 // Invariants:
 //   - 1 <= limit() <= own_limit(); limit() changes only through the inputs above.

@@ -942,6 +942,13 @@ std::vector<Job> PagePool::next_batch() {
         completions_.push({job.request_id, CompletionStatus::kMapError, {}, dropped.error});
       }
     }
+    if (job.kind == JobKind::kUnmap) {
+      // Its pages are mapped-free again: a trim that waited for this unmap sweeps again (Note
+      // [Limit policy]: trim), else it would complete with them still mapped.
+      for (PendingTrim& trim : trims_) {
+        if (trim.swept && job.seq < trim.unmaps_before_seq) trim.swept = false;
+      }
+    }
   }
   if (!expired.empty()) {
     serve_waiters();

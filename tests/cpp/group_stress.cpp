@@ -797,9 +797,9 @@ class Round {
     }
     if (!pool_closing_) {
       // Everything back, then a trim once the mapper is idle: nothing stays mapped, on any
-      // device still in the group. (Idle first: a trim that waits for an unmap queued before it
-      // completes even when that unmap is dropped at its deadline, leaving its pages mapped;
-      // seen here with slow ranks and a short default timeout. A pool matter, not the group's.)
+      // device still in the group. (Idle first: with slow ranks and a short default timeout an
+      // unmap queued before the trim can be dropped at its deadline; the trim then sweeps again
+      // (tests/test_pool_contract.py), but its own unmap may meet slow ranks too.)
       while (auto held = take_held(rng_)) give_back(std::move(*held));
       wait_idle();
       const int64_t id = pool_->trim(monotonic_s() + 5.0);
