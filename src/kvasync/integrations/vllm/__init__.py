@@ -40,7 +40,11 @@ tested with (``TESTED``). ``register`` refuses, at start, a vLLM outside ``TESTE
 message naming the tested versions, and refuses any seam whose attribute is missing or whose
 signature differs, before patching anything: a half-patched vLLM (scheduler patched, worker
 not) is how the reference allocator hangs. ``KVASYNC_VLLM_ANY_VERSION=1`` lifts the version
-check (never the signature checks), for trying a new release.
+check (never the signature checks), for trying a new release. A seam may accept the signature
+another tested release has (``Seam.also``). The block pool alone (``KVASYNC_VLLM_HOST_POOL=1``,
+vLLM's own scheduler tests) is tested on more releases (``SCHEDULER_TESTED``: 0.33.0, whose
+``tests/v1/core`` pass with it as with stock vLLM but for the 10 tests that read vLLM's
+``free_block_queue``); an engine on those is refused, saying the worker side is not tested.
 
 Note [Page ids across processes and ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
