@@ -401,6 +401,26 @@ def test_admission_reports_the_demand_of_the_running_and_the_waiting_that_fit_th
     assert view.demand == 2 + 3
 
 
+def test_while_compute_holds_admission_the_demand_leaves_out_the_waiting_requests() -> None:
+    # Held for compute, the engine admits none of its waiting requests, so the memory they would
+    # need is not wanted now: reported, it raised this engine's fair share and kept the budget
+    # from co-located engines that would use it (a grant never takes what another wants).
+    view = Blocks(available=1000)
+    harness = Harness(view, step_target=0.05)
+    running = [harness.submit(16) for _ in range(4)]  # 1 block each
+    assert harness.admit_all() == running
+    harness.submit(40)  # 3 blocks, fits the batch
+    for _ in range(3):
+        harness.scheduler.stepped(0.08)
+    assert harness.scheduler.next_admission(now=1.0) is None
+    assert harness.scheduler.compute_holds == 1
+    assert view.demand == 4  # the running requests' alone
+    for _ in range(4):
+        harness.scheduler.stepped(0.02)
+    assert harness.scheduler.next_admission(now=1.0) is not None  # the hold lifted
+    assert view.demand == 4 + 3
+
+
 async def test_admission_in_a_real_share_counts_only_the_headroom_the_other_member_leaves() -> None:
     # Two host allocators of one share: `other` holds 3 of the 4 pages of the budget. The engine
     # (one request running on the 4th page) may count on its fair share (2 pages, Note [Fair

@@ -10,10 +10,11 @@ One asyncio task runs the engine, step after step:
    ``max_batch_tokens`` new tokens): each gets the blocks for its tokens with ``await kv.alloc``.
    First the scheduler reports its demand (``kv.set_demand``: the blocks its running requests
    hold and need for their next step, plus the next-step need of the waiting requests that fit
-   the batch), by which a share divides its budget (Note [Fair share under pressure] in
-   csrc/ledger/ledger.h). With others running, a request is admitted only when
-   ``kv.available_blocks()`` covers its need: what the allocator can count on, which in a share
-   is the headroom the other members leave it or its fair share, never the whole budget.
+   the batch, none while compute holds admission below), by which a share divides its budget
+   (Note [Fair share under pressure] in csrc/ledger/ledger.h). With others running, a request
+   is admitted only when ``kv.available_blocks()`` covers its need: what the allocator can
+   count on, which in a share is the headroom the other members leave it or its fair share,
+   never the whole budget.
    With other requests running, the alloc waits at most ``alloc_timeout`` (pages being mapped
    arrive in well under that), so that a full cache stalls the running batch at most that long;
    on a timeout admission pauses until blocks are freed. With nothing running it waits up to the
@@ -26,7 +27,8 @@ One asyncio task runs the engine, step after step:
    (measured on the H200: shared 42 vs static 74 requests within SLO, N = 2). Held back, a
    request waits for its first token instead (TTFT), and the batch that runs keeps its pace. The
    floor keeps a small batch admitting: its steps are slow because of the other engines on the
-   device, and a few more requests add little to them.
+   device, and a few more requests add little to them. While held, the demand reported leaves
+   the waiting requests out, so that the share gives their memory to engines that would use it.
 3. Vacate: when the allocator drains pages (``kv.drain_from()``: a memory limit lowered below
    what is mapped, or in a share the fair share while another engine waits for memory), the
    running requests' blocks in those pages are moved below the drain (new blocks, one
@@ -252,9 +254,10 @@ class Scheduler(Generic[R]):
 
     def demand_blocks(self) -> int:
         """The blocks the engine wants now: what the running requests hold or need for their next
-        step, and the next-step need of the waiting requests that fit the batch."""
+        step, and the next-step need of the waiting requests that fit the batch (none while
+        compute holds admission: it would not use that memory, and co-located engines would)."""
         running = sum(max(len(r.blocks), self.blocks_for(len(r.tokens))) for r in self.running)
-        room = max(0, self.max_batch - len(self.running))
+        room = 0 if self.compute_bound() else max(0, self.max_batch - len(self.running))
         waiting = sum(self.blocks_for(len(r.tokens)) for r in islice(self.waiting, room))
         return running + waiting
 
