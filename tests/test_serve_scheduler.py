@@ -494,3 +494,38 @@ def test_the_scheduler_imports_no_model_no_torch_and_no_event_loop() -> None:
         )
     }
     assert not imported & {"torch", "asyncio", "_model", "_runner", "_engine", "_attention"}
+
+
+def test_held_for_names_what_the_waiting_requests_wait_for() -> None:
+    # One engine through each reason in turn; the admission decisions are the ones pinned above,
+    # held_for only names them (a benchmark's regime check reads it).
+    view = Blocks(available=6)
+    harness = Harness(view, step_target=0.05, max_batch=5, max_batch_tokens=100)
+    scheduler = harness.scheduler
+    assert scheduler.next_admission(now=0.0) is None and scheduler.held_for is None  # none wait
+    running = [harness.submit(16) for _ in range(4)]  # 1 block and 16 new tokens each
+    assert harness.admit_all() == running and scheduler.held_for is None
+    # 64 new tokens run: 40 more do not fit the step's 100.
+    big = harness.submit(40)
+    assert harness.admit_all() == [] and scheduler.held_for == "tokens"
+    for request in running:
+        harness.decode(request)  # one new token each: 4 + 40 fit
+    view.available = 2  # big needs 3 blocks
+    assert harness.admit_all() == [] and scheduler.held_for == "memory"
+    assert scheduler.paused  # and stays memory's while paused
+    assert scheduler.next_admission(now=0.01) is None and scheduler.held_for == "memory"
+    scheduler.unpause()
+    view.available = 100
+    for _ in range(3):
+        scheduler.stepped(0.08)
+    assert harness.admit_all() == [] and scheduler.held_for == "compute"
+    for _ in range(4):
+        scheduler.stepped(0.02)
+    assert harness.admit_all() == [big] and scheduler.held_for is None  # nothing waits now
+    harness.submit(16)
+    assert harness.admit_all() == [] and scheduler.held_for == "batch"  # 5 of 5 run
+    harness.decode(big)
+    running[0].output.append(66)  # about to cross into its next block: a grow is pending
+    running[0].grow_since = 0.0
+    scheduler.remove(big)
+    assert harness.admit_all() == [] and scheduler.held_for == "memory"

@@ -29,6 +29,8 @@ One asyncio task runs the engine, step after step:
    floor keeps a small batch admitting: its steps are slow because of the other engines on the
    device, and a few more requests add little to them. While held, the demand reported leaves
    the waiting requests out, so that the share gives their memory to engines that would use it.
+   Each turn records what the waiting requests wait for (``held_for``: memory, the batch,
+   compute, or the step's token budget), so that a benchmark can tell which of them binds.
 3. Vacate: when the allocator drains pages (``kv.drain_from()``: a memory limit lowered below
    what is mapped, or in a share the fair share while another engine waits for memory), the
    running requests' blocks in those pages are moved below the drain (new blocks, one
@@ -241,6 +243,8 @@ class Scheduler(Generic[R]):
         self.compute_min_batch = compute_min_batch
         self.recent_step: float | None = None  # seconds, a moving average (STEP_WEIGHT)
         self.compute_holds = 0  # admissions held back for compute (a count of loop turns)
+        # What the waiting requests wait for, as of the last ``next_admission`` (HELD_FOR).
+        self.held_for: str | None = None
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -318,26 +322,46 @@ class Scheduler(Generic[R]):
         """The next request to admit, oldest first, or None: the batch is full (requests or
         tokens), a grow is pending (growth first), admission is paused, the recent steps are slower
         than ``step_target`` (compute), or the head's blocks are not available while others run
-        (then admission pauses: only an end frees blocks)."""
+        (then admission pauses: only an end frees blocks). ``held_for`` says which held it."""
         self.view.set_demand(self.demand_blocks())
         if self._paused and now - self._paused_at > self.patience:
             self._paused = False  # in a share, memory can come back from another engine
-        if any(r.grow_since is not None for r in self.running):
+        if not self.waiting:
+            self.held_for = None
             return None
-        if not self.waiting or self._paused or len(self.running) >= self.max_batch:
+        self.held_for = self._held_for()
+        if self.held_for is not None:
+            if self.held_for == "compute":
+                self.compute_holds += 1
             return None
-        if self.compute_bound():
-            self.compute_holds += 1
-            return None
-        budget = self.max_batch_tokens - sum(len(r.tokens) - r.num_computed for r in self.running)
         request = self.waiting[0]
-        if len(request.tokens) - request.num_computed > budget and self.running:
-            return None
         need = self.blocks_needed(request)
         if self.running and self.view.available_blocks() < need:
             self.pause(now)
+            self.held_for = "memory"
             return None
         return Admission(request, need, alone=not self.running)
+
+    # Why waiting requests are not admitted (``held_for``), by what would have to change.
+    HELD_FOR = ("memory", "batch", "compute", "tokens")
+
+    def _held_for(self) -> str | None:
+        """Memory: a running request waits for blocks to grow into, or admission is paused
+        (an admission found too few blocks); batch: ``max_batch`` requests run; compute: the
+        step target holds admission; tokens: the head's new tokens do not fit the step's
+        ``max_batch_tokens`` beside the running requests' (the step's compute); None: the head
+        may be admitted if its blocks are available."""
+        if any(r.grow_since is not None for r in self.running) or self._paused:
+            return "memory"
+        if len(self.running) >= self.max_batch:
+            return "batch"
+        if self.compute_bound():
+            return "compute"
+        budget = self.max_batch_tokens - sum(len(r.tokens) - r.num_computed for r in self.running)
+        request = self.waiting[0]
+        if len(request.tokens) - request.num_computed > budget and self.running:
+            return "tokens"
+        return None
 
     def stepped(self, seconds: float) -> None:
         """A step of the running batch took ``seconds`` (the recent step time moves to it)."""
