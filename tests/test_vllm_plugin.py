@@ -857,3 +857,52 @@ def test_a_tensor_parallel_ranks_unmap_waits_for_its_own_running_kernels() -> No
     assert not done.query()  # still running when the scheduler's unmap comes
     _core.backend_time_unmap(backend, 0, 1)
     assert done.query()  # the unmap waited for it, rather than pull the page from under it
+
+
+def _gpu_spin_cycles(seconds: float) -> int:
+    """Cycles of torch.cuda._sleep that keep the GPU busy about ``seconds``."""
+    torch.cuda._sleep(1000)  # the kernel loaded: the next launch is the spin alone
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(seconds * 10_000_000 / (start.elapsed_time(end) / 1000))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or _core.cuda_problem(0) is not None,
+    reason="needs an NVIDIA GPU with a CUDA driver",
+)
+def test_a_ranks_unmap_gives_up_at_its_deadline_while_work_on_another_stream_runs() -> None:
+    # Note [Bounded device sync]: the wait for the process's device work has a deadline (the
+    # first version called cuCtxSynchronize on the mapper's thread: a stuck kernel parked the
+    # rank's mapper, and every job behind it, for ever). Work on a stream of its own counts too.
+    from kvasync import KVAsyncError
+    from kvasync._backends import range_tensor
+
+    page = _core.cuda_granularity(0)
+    backend = _core.CudaBackend(0, 1, 4, page, 0, 0.95)
+    backend.sync_before_unmap = True
+    with pytest.raises(ValueError, match="unmap_sync_timeout"):
+        backend.unmap_sync_timeout = 0.0
+    backend.unmap_sync_timeout = 0.2
+    _core.backend_time_map(backend, 0, 1)
+    view = range_tensor(backend, 0)[:page]
+    cycles = _gpu_spin_cycles(1.5)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)  # about 1.5 s of GPU work, then a write to the page
+        view.fill_(1)
+        done = torch.cuda.Event()
+        done.record()
+    assert not done.query()
+    started = time.monotonic()
+    with pytest.raises(KVAsyncError, match="Bounded device sync"):
+        _core.backend_time_unmap(backend, 0, 1)
+    assert time.monotonic() - started < 1.0  # the deadline, not the kernel's end
+    assert not done.query()  # given up while the work still ran: the page stayed mapped
+    done.synchronize()
+    assert bool((view == 1).all())  # the write landed in the page that stayed mapped
+    _core.backend_time_unmap(backend, 0, 1)  # once the work is done, the unmap goes through

@@ -428,10 +428,12 @@ BackendResult CudaBackend::unmap(int64_t first, int64_t count) {
   const CUresult current = context_.make_current();
   if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
   if (sync_before_unmap_) {  // never change a mapping under running GPU work (DESIGN.md, 6)
-    const CUresult synced = driver_.cuCtxSynchronize();
-    if (synced != CUDA_SUCCESS) {
-      return BackendResult::failure(driver_.failure(synced, "cuCtxSynchronize before an unmap"));
-    }
+    // Note [Bounded device sync]: every stream's work, waited for with a deadline.
+    if (!syncer_) syncer_ = std::make_unique<DeviceSyncer>(context_.device());
+    const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+        std::chrono::duration<double>(unmap_sync_timeout_s_));
+    BackendResult synced = syncer_->sync(std::chrono::steady_clock::now() + timeout);
+    if (!synced.ok) return synced;
   }
   BackendResult first_error;
   std::vector<std::unique_ptr<PhysicalPage>> freed;

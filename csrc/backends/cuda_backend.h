@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "backends/cuda_device_sync.h"
 #include "backends/cuda_driver.h"
 
 namespace kvasync {
@@ -178,10 +179,14 @@ class CudaBackend final : public Backend {
   // pool, in tests and benchmarks). Returns false if `timeout_s` passed first.
   bool settle(double timeout_s);
   // A tensor-parallel rank's backend (vLLM's worker process): each unmap first waits for all
-  // the work of this process on the device (cuCtxSynchronize), since the scheduler that frees
-  // the blocks is in another process and records no fence here. Set before the backend is used.
+  // the work of this process on the device, since the scheduler that frees the blocks is in
+  // another process and records no fence here; the wait has a deadline of
+  // `unmap_sync_timeout` seconds, past which the unmap fails and the pages stay mapped (Note
+  // [Bounded device sync] in cuda_device_sync.h). Set before the backend is used.
   void set_sync_before_unmap(bool sync) { sync_before_unmap_ = sync; }
   bool sync_before_unmap() const { return sync_before_unmap_; }
+  void set_unmap_sync_timeout(double seconds) { unmap_sync_timeout_s_ = seconds; }
+  double unmap_sync_timeout() const { return unmap_sync_timeout_s_; }
 
   // The driver's minimum allocation granularity of `device`. Throws BackendError.
   static int64_t device_granularity(int device);
@@ -211,6 +216,8 @@ class CudaBackend final : public Backend {
   int64_t page_size_;
   int64_t granularity_ = 0;
   bool sync_before_unmap_ = false;
+  double unmap_sync_timeout_s_ = 5.0;
+  std::unique_ptr<DeviceSyncer> syncer_;  // started by the first unmap that syncs
   double gpu_utilization_;
   cuda::CUmemAllocationProp prop_{};
   cuda::CUmemAccessDesc access_{};

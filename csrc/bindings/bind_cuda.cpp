@@ -278,6 +278,18 @@ void bind_cuda(py::module_& m) {
       .def("release_spare", &CudaBackend::release_spare, py::call_guard<py::gil_scoped_release>())
       .def_property("sync_before_unmap", &CudaBackend::sync_before_unmap,
                     &CudaBackend::set_sync_before_unmap)
+      .def_property(
+          "unmap_sync_timeout", &CudaBackend::unmap_sync_timeout,
+          [](CudaBackend& backend, double seconds) {
+            // A deadline of now + seconds must fit steady_clock's nanoseconds (Note [Bounded
+            // device sync]): a day is far past any GPU step.
+            if (!(seconds > 0.0 && seconds <= 86400.0)) {
+              throw py::value_error("unmap_sync_timeout must be in (0, 86400] seconds, got " +
+                                    std::to_string(seconds));
+            }
+            backend.set_unmap_sync_timeout(seconds);
+          },
+          "seconds an unmap waits for this process's device work when sync_before_unmap is set")
       .def("settle", &CudaBackend::settle, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def("handle_stats", [](const CudaBackend& backend) {

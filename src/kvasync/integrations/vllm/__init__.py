@@ -77,8 +77,10 @@ process, and TP > 1) kvasync's tensor-parallel group carries the scheduler's map
   parallelism.
 - A rank waits for its own GPU work before an unmap: the EngineCore frees blocks with no fence
   of the worker's streams (with async scheduling the next step may still read a finished
-  request's blocks), so the rank's cuda backend synchronizes its context before each unmap
-  (``CudaBackend.sync_before_unmap``, on the RankMapper's thread, never the engine loop's). The
+  request's blocks), so the rank's cuda backend waits for all of its process's device work
+  before each unmap (``CudaBackend.sync_before_unmap``, on the RankMapper's thread, never the
+  engine loop's), within ``unmap_sync_timeout`` (Note [Bounded device sync] in
+  csrc/backends/cuda_device_sync.h: past it the unmap fails and the pages stay mapped). The
   scheduler waits for that within ``unmap_timeout``.
 - With ``KVASYNC_SHARE`` the share is charged once per page, for the engine, not per device.
 """

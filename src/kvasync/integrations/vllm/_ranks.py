@@ -279,7 +279,8 @@ def rank_kv_cache_tensors(
         )
         # The EngineCore frees blocks with no fence of this process's GPU work (async
         # scheduling may still be reading a finished request's blocks): every unmap here waits
-        # for this process's work on the device first.
+        # for this process's work on the device first, within unmap_sync_timeout (Note
+        # [Bounded device sync]).
         backend.sync_before_unmap = True
         return backend
 
