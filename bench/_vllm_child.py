@@ -209,6 +209,14 @@ def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
         return found
     found["kv_usage"] = lambda: float(scheduler.kv_cache_manager.usage)
     kvasync_pool = getattr(pool, "kvasync_allocator", None)
+    # kvcached's block pool (its ElasticBlockPool) keeps its page allocator's manager here; with
+    # the in-process executor the pages are mapped in this process. Its figure counts the pages in
+    # use over all layers, K and V.
+    kvcached_manager = (
+        getattr(pool, "kv_cache_manager", None) if spec["kind"] == "kvcached" else None
+    )
+    if kvcached_manager is not None and "mapped_gib" not in found:
+        found["mapped_gib"] = lambda: float(kvcached_manager.get_mapped_memory_size()) / GIB
     if kvasync_pool is not None:
         # Its usage is over what the budget allows now, not over the capacity: count blocks
         # (less vLLM's null block).
@@ -217,6 +225,13 @@ def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
         usable = int(cache.num_gpu_blocks or 0) - 1  # vLLM's null block is never handed out
         found["kv_used_gib"] = lambda: float(scheduler.kv_cache_manager.usage) * usable * block_gib
     return found
+
+
+def kvcached_patched() -> bool:
+    """Whether kvcached's import hook patched vLLM's engine core (its marker on the method)."""
+    from vllm.v1.engine.core import EngineCore
+
+    return getattr(EngineCore.__init__, "init", False) is True
 
 
 def allocator_counters() -> dict[str, int] | None:
@@ -496,11 +511,17 @@ def run_child(spec_path: pathlib.Path) -> None:
     threading.Thread(target=watch_driver, daemon=True).start()
     try:
         t = time.monotonic()
+        if spec["kind"] == "kvcached":  # its import hook must be in place before vLLM's import
+            from _vllm_reference import enable_in_this_process
+
+            enable_in_this_process(spec["kvcached_site"])
         # What build_engine and the tasks use, so that a start times the engine, not imports
         # (as the earlier bench_vllm.py, which imported LLM at its top).
         from vllm import LLM, SamplingParams  # noqa: F401
         from vllm.inputs import TokensPrompt  # noqa: F401
 
+        if spec["kind"] == "kvcached":
+            events.emit("kvcached", patched=kvcached_patched())
         events.emit("imported", seconds=time.monotonic() - t)
         if spec.get("go"):
             wait_file(pathlib.Path(spec["go"]), time.monotonic() + spec["go_within_s"], "go")

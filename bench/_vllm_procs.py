@@ -23,7 +23,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import _vllm_reference as reference
 from _vllm_child import write_model_config
+from _vllm_reference import is_reference_key
 
 BENCH = pathlib.Path(__file__).resolve().parent / "bench_vllm.py"
 
@@ -131,12 +133,14 @@ class Engine:
             result=str(self.result_path),
             go=str(self.go_path),
             go_within_s=go_within_s,
-            env={k: v for k, v in env.items() if k.startswith("KVASYNC_")},
+            env={k: v for k, v in env.items() if k.startswith("KVASYNC_") or is_reference_key(k)},
         )
         spec_path = folder / f"{name}.spec.json"
         spec_path.write_text(json.dumps(self.spec, indent=1))
         full_env = dict(os.environ)
-        for key in [k for k in full_env if k.startswith("KVASYNC_")]:
+        # Each engine gets only its own allocator's settings (kvcached's too: a kvcached variable
+        # left in the driver's environment must not turn a stock engine into a kvcached one).
+        for key in [k for k in full_env if k.startswith("KVASYNC_") or is_reference_key(k)]:
             del full_env[key]
         full_env.update(env, PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         self._log = self.log_path.open("w")
@@ -331,6 +335,8 @@ class GpuSampler(threading.Thread):
 # -- what every mode of bench_vllm.py needs ----------------------------------------------------
 
 GIB = 2**30
+# The engine kinds: stock vLLM, vLLM with kvasync's plugin, vLLM with the reference (kvcached).
+KINDS = ("stock", "kvasync", "kvcached")
 FAILURES = (Stalled, Died, OutOfTime)
 
 
@@ -364,6 +370,8 @@ class Run:
 
     def spec(self, kind: str, task: str, task_args: dict[str, Any], **extra: Any) -> dict[str, Any]:
         executor = extra.pop("executor", self.args.executor)
+        if kind == "kvcached":  # where the child finds kvcached (bench/_vllm_reference.py)
+            extra["kvcached_site"] = str(self.args.kvcached_site)
         return {
             "kind": kind,
             "task": task,
@@ -375,8 +383,8 @@ class Run:
             **extra,
         }
 
-    @staticmethod
     def env(
+        self,
         kind: str,
         name: str,
         *,
@@ -384,9 +392,13 @@ class Run:
         share: str | None = None,
         budget: str | None = None,
     ) -> dict[str, str]:
-        """The plugin's configuration: none for stock (``KVASYNC_VLLM=0`` makes it inert)."""
+        """The plugin's configuration: none for stock (``KVASYNC_VLLM=0`` makes it inert); for
+        kvcached, kvcached's switches (its capacity is vLLM's: the spec's utilization or
+        ``kv_cache_bytes``; it has no share: ``limit``, ``share``, ``budget`` do not apply)."""
         if kind == "stock":
             return {"KVASYNC_VLLM": "0"}
+        if kind == "kvcached":
+            return reference.engine_env(name, self.tag)
         env = {"KVASYNC_NAME": name, "KVASYNC_PREFIX_CACHE": "0"}
         if limit:
             env["KVASYNC_MEMORY_LIMIT"] = limit
@@ -400,8 +412,8 @@ class Run:
 def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
     """``kvasync-mp`` -> (``kvasync``, ``mp``); ``stock`` -> (``stock``, the default)."""
     kind, _, executor = variant.partition("-")
-    if kind not in ("stock", "kvasync") or executor not in ("", "uni", "mp"):
+    if kind not in KINDS or executor not in ("", "uni", "mp"):
         raise ValueError(
-            f"an engine variant is stock or kvasync, optionally -uni or -mp: {variant}"
+            f"an engine variant is stock, kvasync or kvcached, optionally -uni or -mp: {variant}"
         )
     return kind, executor or default_executor

@@ -163,7 +163,7 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
         )
     print()
     print_table(
-        ["run", "device used GiB (max)", "kvasync mapped KV GiB (max)", "mapped KV GiB at the end"],
+        ["run", "device used GiB (max)", "mapped KV GiB (max)", "mapped KV GiB at the end"],
         rows,
     )
     plt = pyplot()
@@ -186,7 +186,7 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
             )
     ax.set_xlabel("seconds since the engine was up")
     ax.set_ylabel("GiB")
-    ax.set_title("device memory used and kvasync's mapped KV, each run")
+    ax.set_title("device memory used and the allocator's mapped KV (kvasync, kvcached), each run")
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(out / "vllm_memory.png", dpi=110)
@@ -198,7 +198,9 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
 
 
 def report_seed_a(data: dict[str, Any], out: pathlib.Path) -> None:
-    heading(f"vLLM seed A: a second engine started beside a serving one (share {data['budget']})")
+    kind = data.get("kind", "kvasync")
+    where = f"share {data['budget']}" if kind == "kvasync" else f"each {data['budget']} of KV"
+    heading(f"vLLM seed A, {kind}: a second engine started beside a serving one ({where})")
     if "first_start_s" in data:
         print(f"first engine up in {data['first_start_s']:.1f} s")
     batches = data.get("first_batches", [])
@@ -257,6 +259,13 @@ def report_seed_a(data: dict[str, Any], out: pathlib.Path) -> None:
             f"batch ends {max(gaps, default=math.nan):.1f} s (median "
             f"{statistics.median(gaps) if gaps else math.nan:.1f} s); its allocator mapped "
             f"{fmt(first.get('maps'), 0)} and unmapped {fmt(first.get('unmaps'), 0)} times"
+        )
+    mapped = [x.get("mapped_gib", math.nan) for x in first.get("samples", [])]
+    seen = [m for m in mapped if not math.isnan(m)]
+    if kind == "kvcached" and seen:
+        print(
+            f"first engine's mapped KV (kvcached's count): max {max(seen):.2f} GiB, at the end "
+            f"{seen[-1]:.2f} GiB"
         )
     for key in ("first_failure", "stopped"):
         if key in data:
@@ -322,7 +331,7 @@ def report_release(data: dict[str, Any], out: pathlib.Path) -> None:
         rows,
         justify=["left", "right", "right", "left", "right", "left", "right", "left"],
     )
-    for variant in ("stock", "kvasync"):
+    for variant in dict.fromkeys(a["variant"] for a in data["attempts"]):
         tried = [a for a in data["attempts"] if a["variant"] == variant and "release_at_s" in a]
         started = [a for a in tried if a.get("started")]
         print(f"{variant}: {len(started)}/{len(tried)} second engines started")
@@ -366,6 +375,24 @@ def engine_rows(variant: str, label: str, result: dict[str, Any], slo: float) ->
     ]
 
 
+def joint_mapped_peak(engines: dict[str, Any]) -> float:
+    """The most KV the engines had mapped at once, from their own samples on the wall clock
+    (each engine's latest figure at every sample of either)."""
+    merged = sorted(
+        (s["wall"], label, s["mapped_gib"])
+        for label, result in engines.items()
+        for s in result.get("samples", [])
+        if not math.isnan(s.get("mapped_gib", math.nan))
+    )
+    latest: dict[str, float] = {}
+    peak = math.nan
+    for _, label, mapped in merged:
+        latest[label] = mapped
+        total = sum(latest.values())
+        peak = total if math.isnan(peak) else max(peak, total)
+    return peak
+
+
 def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
     slo = data["slo_s"]
     heading(
@@ -397,6 +424,7 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
                 fmt(tokens / end if end else math.nan, 0),
                 fmt(sum(p for p in pre if p is not None), 0) if None not in pre else "-",
                 fmt(statistics.fmean(busy), 0) if busy else "-",
+                fmt(joint_mapped_peak(record["engines"]), 2),
             ]
         )
     print_table(
@@ -412,7 +440,7 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
             "output tok/s",
             "preemptions",
             "KV in use GiB (max)",
-            "kvasync mapped GiB (max)",
+            "mapped KV GiB (max)",
             "start s",
             "latest arrival, s behind the trace",
         ],
@@ -428,9 +456,15 @@ def report_two(data: dict[str, Any], out: pathlib.Path) -> None:
             "output tok/s (both)",
             "preemptions",
             "GPU busy % (NVML, over the trace)",
+            "A + B mapped KV GiB (max)",
         ],
         totals,
     )
+    if "kvcached" in data["variants"]:
+        print(
+            "kvcached has no budget shared between engines: each engine's KV capacity is the "
+            "whole budget, mapped as used, and nothing caps A + B (the last column)."
+        )
     plot_two(data, out)
 
 

@@ -22,6 +22,7 @@ from _vllm_procs import (
     Run,
     Stalled,
     kill_all,
+    parse_gib,
 )
 
 # -- seed A ------------------------------------------------------------------------------------
@@ -30,7 +31,11 @@ from _vllm_procs import (
 def mode_seed_a(run: Run) -> dict[str, Any]:
     args = run.args
     folder = run.work / "seed_a"
+    kind = args.seed_kind
     share = f"bench-{run.tag}-seeda"
+    # kvasync: both engines in one share of --seed-budget. kvcached has no share: each engine's KV
+    # capacity is --seed-budget (vLLM's kv_cache_memory_bytes), mapped as it is used.
+    capacity = parse_gib(args.seed_budget) if kind == "kvcached" else None
     stop, release = folder / "first.stop", folder / "first.release"
     first_args = {
         "batches": [[192, 1024, 64], [32, 256, 64]],
@@ -39,21 +44,28 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
         "release": str(release),
         "max_s": 400.0,
     }
-    env_first = run.env("kvasync", "seedA-first", share=share, budget=args.seed_budget)
+    env_first = run.env(kind, "seedA-first", share=share, budget=args.seed_budget)
     folder.mkdir(parents=True, exist_ok=True)
     stop.unlink(missing_ok=True)
     release.unlink(missing_ok=True)
-    first = Engine(folder, "first", run.spec("kvasync", "serve", first_args), env_first)
+    first_spec = run.spec(kind, "serve", first_args, kv_cache_bytes=capacity)
+    first = Engine(folder, "first", first_spec, env_first)
 
     def starter(k: int) -> Engine:
-        env = run.env("kvasync", f"seedA-second-{k}", share=share, budget=args.seed_budget)
-        spec = run.spec("kvasync", "starter", {"serve": [8, 256, 32]})
+        env = run.env(kind, f"seedA-second-{k}", share=share, budget=args.seed_budget)
+        spec = run.spec(kind, "starter", {"serve": [8, 256, 32]}, kv_cache_bytes=capacity)
         return Engine(folder, f"second{k:02d}", spec, env)
 
-    sampler = LedgerSampler(share)
-    sampler.start()
+    sampler = LedgerSampler(share) if kind == "kvasync" else None
+    if sampler:
+        sampler.start()
     starts: list[dict[str, Any]] = []
-    data: dict[str, Any] = {"share": share, "budget": args.seed_budget, "starts": starts}
+    data: dict[str, Any] = {
+        "kind": kind,
+        "share": share if kind == "kvasync" else None,
+        "budget": args.seed_budget,
+        "starts": starts,
+    }
     upcoming: Engine | None = starter(1)
     try:
         first.go()
@@ -123,7 +135,7 @@ def mode_seed_a(run: Run) -> dict[str, Any]:
         ]
     finally:
         kill_all([first, upcoming])
-        data["ledger"] = sampler.finish()
+        data["ledger"] = sampler.finish() if sampler else []
     return data
 
 
@@ -135,7 +147,7 @@ def mode_release(run: Run) -> dict[str, Any]:
     folder = run.work / "release"
     folder.mkdir(parents=True, exist_ok=True)
     # Alternating, so that a run cut short by its deadline still has both.
-    plan = [(v, a) for a in range(1, args.attempts + 1) for v in ("stock", "kvasync")]
+    plan = [(v, a) for a in range(1, args.attempts + 1) for v in args.release_variants]
 
     def pair(variant: str, attempt: int) -> tuple[Engine, Engine, pathlib.Path]:
         name = f"{variant}{attempt}"

@@ -69,14 +69,43 @@ seed-a ~150 s, release ~40 s an attempt pair. ``--all`` gives each mode the run'
 the modes after it need at least (``RESERVE_S``); a step that would pass ``--budget-s`` (520) is
 not started and is reported as not run; a wait the run's end cuts short is reported as cut,
 not as a hang, and winding down (engines told to stop report what they did) takes at most 20 s
-more, so ``--all`` ends within about 545 s. The reference allocator (kvcached) is not run: building
-it on the device is not scripted in bench/.
+more, so ``--all`` ends within about 545 s.
+
+The reference allocator, kvcached (github.com/ovg-project/kvcached at the commit the earlier
+benches used, e8e6406; bench/_vllm_reference.py), is an engine kind beside ``stock`` and
+``kvasync``: ``--runs stock kvcached``, ``--release-variants stock kvcached``, ``--seed-kind
+kvcached``, ``--two-variants static-stock kvcached``. It is enabled as its README says for vLLM
+(``ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1``; its import hook patches vLLM), with vLLM's own
+arguments as for stock (``gpu_memory_utilization``; where stock's KV is fixed, kvcached's capacity
+is ``kv_cache_memory_bytes``) and kvasync's plugin inert. It has no budget shared between engines:
+in ``two`` each kvcached engine may map up to the whole ``--two-budget`` and the table gives the
+most A + B held at once; in seed A each engine's capacity is ``--seed-budget``. kvcached says it is
+tested up to vLLM 0.24 and this is 0.26: it is run as it behaves, with the same deadlines (a hang
+is reported with its elapsed time). It is built from its own source in the call, before the first
+kvcached engine (``bench/reference/build_kvcached.sh``, about a minute; the run's budget pays for
+it; a build already in ``--kvcached-site`` from the same commit is kept). ``--reference`` is the
+reference's call: identity (stock, kvcached; 2 rounds), release (kvcached, 2 attempts; stock's
+failure is in the earlier calls), seed A (kvcached, 4 starts), two (static-stock, kvcached);
+about 450 s with the build.
+
+The reference's device call (on the CPU machine first: ``bash bench/reference/pack_kvcached.sh``,
+which writes ``build/kvcached``, 0.6 MiB; and ``bash ../shared/vllm-on-device/pack.sh``). After
+the two calls that copy vLLM's ``c1`` and ``c2`` (../shared/vllm-on-device/README.md), one call
+with carry ``["build/vllm-device/c3", "build/kvcached"]`` (about 56 MiB with the tree)::
+
+    bash build/vllm-device/c3/setup.sh && CC=/usr/bin/gcc CXX=/usr/bin/g++ pip install -q \
+      --no-build-isolation --no-deps -e . && PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 \
+      python3 bench/bench_vllm.py --reference --budget-s 480 --out $OUT/ref
+
+(on a machine where ``$HOME/vsite`` is already set up, carry only ``["build/kvcached"]`` and leave
+out ``setup.sh``). The build's log is ``$HOME/kvcached-build.log`` (its tail is in summary.json).
 
 Usage (on the GPU machine, vLLM importable)::
 
     PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/bench_vllm.py --all --out OUT
     python3 bench/bench_vllm.py --out OUT [--mode identity] [--executor mp] [--with-mp]
     python3 bench/bench_vllm.py --out OUT --mode seed-a release two
+    python3 bench/bench_vllm.py --out OUT --reference --budget-s 480   # kvcached (see above)
     python3 bench/bench_vllm.py --report OUT   # the tables and plots again, from OUT's JSON
 
 Output (at most 6 files, so that a device call brings all of them back): the Markdown tables on
@@ -96,11 +125,13 @@ import sys
 import time
 from typing import Any, TextIO
 
+import _vllm_reference as reference
 import _vllm_report as report
 from _vllm_child import alternating_trace
 from _vllm_procs import (
     FAILURES,
     GIB,
+    KINDS,
     Engine,
     GpuSampler,
     LedgerSampler,
@@ -114,10 +145,6 @@ from _vllm_procs import (
 from _vllm_starts import mode_colocate, mode_release, mode_seed_a
 
 MODES = ("identity", "seed-a", "release", "two", "colocate")
-REFERENCE_NOT_RUN = (
-    "not run: building it from source on the device machine is not scripted in bench/ (its "
-    "figures in RESULTS.md come from another machine), and this call has no time to spare"
-)
 
 
 # -- identity, throughput, start, memory -------------------------------------------------------
@@ -192,7 +219,11 @@ def mode_identity(run: Run) -> dict[str, Any]:
 
 # -- two engines on one budget -----------------------------------------------------------------
 
-TWO_VARIANTS = ("shared", "static-stock", "static-kvasync")
+TWO_VARIANTS = ("shared", "static-stock", "static-kvasync", "kvcached")
+
+
+def two_kind(variant: str) -> str:
+    return {"static-stock": "stock", "kvcached": "kvcached"}.get(variant, "kvasync")
 
 
 def mode_two(run: Run) -> dict[str, Any]:
@@ -220,8 +251,11 @@ def mode_two(run: Run) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
 
     def spawn(variant: str) -> list[Engine]:
-        kind = "stock" if variant == "static-stock" else "kvasync"
+        kind = two_kind(variant)
         share = f"bench-{run.tag}-two-{variant}" if kind == "kvasync" else None
+        # kvcached has no budget shared between engines: each may map up to the whole budget
+        # (its KV capacity, vLLM's kv_cache_memory_bytes), and nothing caps their sum.
+        kv_cache_bytes = {"static-stock": half, "kvcached": budget}.get(variant)
         trace_go = folder / f"{variant}.trace_go"
         trace_go.unlink(missing_ok=True)
         engines = []
@@ -236,10 +270,10 @@ def mode_two(run: Run) -> dict[str, Any]:
                     "salt": f"trace-{label}",  # the same prompts in every variant
                     "max_s": trace_end + 60,
                 },
-                utilization=0.2 if kind == "stock" else 0.3,
+                utilization=0.3 if kind == "kvasync" else 0.2,
                 max_num_seqs=128,
                 stats=True,
-                kv_cache_bytes=half if variant == "static-stock" else None,
+                kv_cache_bytes=kv_cache_bytes,
             )
             limit = f"{half // 2**20}MiB" if variant == "static-kvasync" else None
             env = run.env(kind, f"two-{label}", share=share, budget=args.two_budget, limit=limit)
@@ -308,6 +342,32 @@ RUNNERS = {
 }
 
 
+def plans_kvcached(args: argparse.Namespace) -> bool:
+    """Whether any engine of this run is a kvcached one."""
+    modes = set(args.mode)
+    return (
+        ("identity" in modes and any(v.startswith("kvcached") for v in args.runs))
+        or ("release" in modes and "kvcached" in args.release_variants)
+        or ("seed-a" in modes and args.seed_kind == "kvcached")
+        or ("two" in modes and "kvcached" in args.two_variants)
+    )
+
+
+def use_reference(args: argparse.Namespace) -> None:
+    """``--reference``: kvcached engines in place of kvasync's, beside stock, in the modes where
+    the comparison means something (sizes trimmed so that the build and all four fit one call)."""
+    args.mode = ["identity", "release", "seed-a", "two"]
+    args.runs = ["stock", "kvcached"]
+    args.rounds = 2
+    # Stock's release failure is measured in the earlier calls (RESULTS.md); its time goes to
+    # a second kvcached attempt.
+    args.release_variants = ["kvcached"]
+    args.attempts = 2
+    args.seed_kind = "kvcached"
+    args.starts = 4
+    args.two_variants = ["static-stock", "kvcached"]
+
+
 class Tee(io.TextIOBase):
     """Writes to the terminal and to a file."""
 
@@ -351,7 +411,7 @@ def main() -> None:
         "--runs",
         nargs="+",
         default=["stock", "kvasync", "stock", "kvasync"],
-        help="identity: the engines in order (stock|kvasync, optionally -uni|-mp)",
+        help="identity: the engines in order (stock|kvasync|kvcached, optionally -uni|-mp)",
     )
     parser.add_argument("--with-mp", action="store_true", help="identity: add kvasync-mp")
     parser.add_argument("--rounds", type=int, default=3, help="identity: rounds per engine")
@@ -359,8 +419,21 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=10, help="seed-a: second-engine starts")
     parser.add_argument("--start-deadline-s", type=float, default=60.0)
     parser.add_argument("--seed-budget", default="8GiB", help="seed-a: the share's budget")
+    parser.add_argument(
+        "--seed-kind",
+        choices=("kvasync", "kvcached"),
+        default="kvasync",
+        help="seed-a: the engines' allocator (kvcached: each engine's KV capacity --seed-budget)",
+    )
     parser.add_argument("--attempts", type=int, default=2, help="release: attempts per variant")
     parser.add_argument("--release-budget", default="80GiB", help="release: kvasync's share")
+    parser.add_argument(
+        "--release-variants",
+        nargs="+",
+        choices=KINDS,
+        default=["stock", "kvasync"],
+        help="release: the engine pairs tried, alternating",
+    )
     parser.add_argument("--two-budget", default="6GiB", help="two: the KV of both engines")
     parser.add_argument(
         "--two-variants", nargs="+", choices=TWO_VARIANTS, default=list(TWO_VARIANTS)
@@ -372,6 +445,24 @@ def main() -> None:
         "--slo-s", type=float, help="two: the TTFT SLO (2 s; with --report: judge again by it)"
     )
     parser.add_argument("--colocate-limit", default="8GiB")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="the reference allocator's call: kvcached engines beside stock in identity, release, "
+        "seed-a, two (see the docstring)",
+    )
+    parser.add_argument(
+        "--kvcached-pack",
+        type=pathlib.Path,
+        default=reference.DEFAULT_PACK,
+        help="kvcached's source and wheels (bench/reference/pack_kvcached.sh)",
+    )
+    parser.add_argument(
+        "--kvcached-site",
+        type=pathlib.Path,
+        default=reference.DEFAULT_SITE,
+        help="where kvcached is built (bench/reference/build_kvcached.sh)",
+    )
     args = parser.parse_args()
     if args.child is not None:
         from _vllm_child import run_child
@@ -389,18 +480,33 @@ def main() -> None:
     if args.all:
         args.mode = ["identity", "two", "seed-a", "release"]
         args.with_mp = True
+    if args.reference:
+        use_reference(args)
     for variant in args.runs:
         variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
     args.out.mkdir(parents=True, exist_ok=True)
     # What is printed is also kept (a device call returns only the end of the output).
     sys.stdout = Tee(sys.stdout, (args.out / "report.md").open("w"))
-    run = Run(args)
     summary: dict[str, Any] = {
         "argv": sys.argv[1:],
         "executor": args.executor,
         "budget_s": args.budget_s,
         "modes": {},
     }
+    built = None
+    if plans_kvcached(args):
+        # Built before the run's clock starts, within the run's budget: its time is taken off.
+        t = time.monotonic()
+        print(f"== reference: kvcached from {args.kvcached_pack} into {args.kvcached_site}")
+        built = reference.ensure_built(
+            args.kvcached_pack,
+            args.kvcached_site,
+            min(reference.BUILD_DEADLINE_S, args.budget_s / 3),
+        )
+        print(f"   {reference.summary_line(built)}", flush=True)
+        args.budget_s -= time.monotonic() - t
+        summary["reference"] = built
+    run = Run(args)
     whole = run.clock
     for index, mode in enumerate(args.mode):
         t = time.monotonic()
@@ -420,10 +526,7 @@ def main() -> None:
         (args.out / "summary.json").write_text(json.dumps(summary))
         report.report_mode(mode, data, args.out)
         run.archive()
-    if args.all:
-        summary["reference"] = REFERENCE_NOT_RUN
-        (args.out / "summary.json").write_text(json.dumps(summary))
-        print(f"\nreference allocator (kvcached): {REFERENCE_NOT_RUN}")
+    print(f"\nreference allocator (kvcached): {reference.summary_line(built)}")
     print(
         f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out} (each engine's "
         f"files in {args.out / 'engines.tar.gz'})",

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Packs the reference allocator, kvcached, for bench/bench_vllm.py on the H200 device machine (no
+# network there; one call carries at most 64 MiB): its source at a pinned commit and the wheels it
+# needs that the device image lacks, into build/kvcached/ (ignored by git; about 0.6 MiB).
+#   build/kvcached/kvcached-src.tar.gz  csrc/, kvcached/, setup.py, ... at $KVCACHED_COMMIT
+#   build/kvcached/wheels/              wrapt, posix_ipc (its runtime deps), ninja (a parallel build)
+#   build/kvcached/COMMIT               the commit packed
+# The device side is bench/reference/build_kvcached.sh (bench_vllm.py runs it before the first
+# kvcached engine). No kvcached code enters this repository: it is built from its own source, for
+# the benchmark only.
+#
+# Run from the project root on the CPU machine. Needs a git copy of github.com/ovg-project/kvcached
+# holding the commit: KVCACHED_GIT (a git directory or a clone), by default the session mirror.
+set -euo pipefail
+commit=${KVCACHED_COMMIT:-e8e640638ba79f3ba7ce88d9692342d29d996e6d} # the earlier benches' (issue 8)
+git_dir=${KVCACHED_GIT:-/work/.mirror/ovg-project+kvcached/repo}
+out=build/kvcached
+[ -d "$git_dir" ] || { echo "no kvcached git copy at $git_dir: set KVCACHED_GIT" >&2; exit 1; }
+git --git-dir="$git_dir" cat-file -e "$commit^{commit}" 2>/dev/null \
+  || git -C "$git_dir" cat-file -e "$commit^{commit}" \
+  || { echo "$git_dir lacks commit $commit" >&2; exit 1; }
+g() { if [ -d "$git_dir/.git" ]; then git -C "$git_dir" "$@"; else git --git-dir="$git_dir" "$@"; fi; }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+src=$tmp/kvcached
+# What setup.py builds and installs (its README is read as the long description), file by file from
+# the commit's tree: the snapshot may lack blobs (large assets) that no build needs.
+paths=(csrc kvcached setup.py pyproject.toml MANIFEST.in kvcached_autopatch.pth README.md LICENSE requirements.txt)
+g ls-tree -r --full-tree "$commit" -- "${paths[@]}" | while read -r mode type blob path; do
+  [ "$type" = blob ] || continue
+  mkdir -p "$src/$(dirname "$path")"
+  g cat-file blob "$blob" > "$src/$path"
+  [ "$mode" != 100755 ] || chmod +x "$src/$path"
+done
+for need in setup.py csrc/torch_bindings.cpp kvcached/integration/vllm/autopatch.py kvcached_autopatch.pth; do
+  [ -s "$src/$need" ] || { echo "packed tree lacks $need" >&2; exit 1; }
+done
+rm -rf "$out"; mkdir -p "$out/wheels"
+tar -czf "$out/kvcached-src.tar.gz" -C "$tmp" kvcached
+echo "$commit" > "$out/COMMIT"
+# The device image's Python is 3.12 (x86_64); kvcached's pyproject asks numpy (the image has it),
+# posix_ipc and wrapt. ninja lets torch's BuildExtension compile its six files in parallel.
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+  --platform any -d "$out/wheels" "wrapt>=1.15" "posix_ipc>=1.0" ninja 2>&1 | grep -v -i "location\|warn" || true
+for w in wrapt posix_ipc ninja; do
+  ls "$out"/wheels/"$w"-*.whl >/dev/null 2>&1 || { echo "no $w wheel downloaded" >&2; exit 1; }
+done
+du -sh "$out"; ls -l "$out" "$out/wheels"
