@@ -133,6 +133,8 @@ SAMPLE_S = 0.02  # the workers' sampling interval
 # samples at 50 ms (members publish their used bytes and waiters every 100 ms anyway).
 LEDGER_SAMPLE_S = 0.05
 READY_TIMEOUT_S = 180.0  # a worker's import, engine open (static: maps its whole limit), warm-up
+# Scheduler.held_for as sampled: 0 while it admits or nothing waits.
+HELD_CODES = {"memory": 1, "batch": 2, "compute": 3, "tokens": 4}
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,30 @@ REGIMES = {
     # engine, 30-45 ms on the H200 with prefills in them, leave room), so that the SLO horizon
     # stays short (2 + 448 x 0.075 + 1 = 37 s).
     "small": Regime(1536, 320, (160, 640), (192, 448), 256, 4096, 2.0, 0.075),
+}
+
+
+@dataclass(frozen=True)
+class ComputeShape:
+    """The compute-bound case of a preset: prefill-heavy requests, so that compute binds at a
+    batch far below ``max_batch`` while the KV of a whole batch fits a static half."""
+
+    prompt_median: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    burst_batch: int  # the calibration burst at these shapes (prefill rate, decode step)
+    # The crest's arrival rate, times what one engine alone serves at the step target.
+    overload: float = 1.75
+
+
+COMPUTE_SHAPES = {
+    # tiny: short enough for the model's 512 positions; checks the harness end to end.
+    "tiny": ComputeShape(192, (128, 320), (8, 32), 16),
+    # small: a request costs the device its prefill (1536 tokens: about 32 ms of an H200 at the
+    # 48k tok/s measured) and little decode (64 tokens at <= 60 ms a step: 4 s), so one engine
+    # alone serves about 20 req/s at a batch of about 80 (the docstring's arithmetic), and a
+    # static half holding a whole batch (256 x 1600 tokens: 4.7 GiB) cannot run out of memory.
+    "small": ComputeShape(1536, (1024, 2048), (32, 96), 64),
 }
 
 
@@ -236,11 +262,18 @@ def hot_at(phases: list[tuple[float, int]], t: float) -> int:
     return [engine for start, engine in phases if start <= t][-1]
 
 
-def _lengths(rng: np.random.Generator, regime: Regime) -> tuple[int, int]:
-    low, high = regime.prompt_range
-    prompt = int(np.clip(rng.lognormal(math.log(regime.prompt_median), 0.35), low, high))
-    output = int(rng.integers(regime.output_range[0], regime.output_range[1] + 1))
+def _lengths(rng: np.random.Generator, shape: Regime | ComputeShape) -> tuple[int, int]:
+    low, high = shape.prompt_range
+    prompt = int(np.clip(rng.lognormal(math.log(shape.prompt_median), 0.35), low, high))
+    output = int(rng.integers(shape.output_range[0], shape.output_range[1] + 1))
     return prompt, output
+
+
+def mean_lengths(shape: Regime | ComputeShape, seed: int) -> tuple[float, float]:
+    """The mean prompt and output of ``shape``'s distribution (sampled)."""
+    rng = np.random.default_rng([seed, 1000])
+    lengths = [_lengths(rng, shape) for _ in range(20000)]
+    return float(np.mean([p for p, _ in lengths])), float(np.mean([o for _, o in lengths]))
 
 
 def memory_bound_traces(
@@ -304,8 +337,6 @@ def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
     """The wall time each variant may take, up front: its start, its arrivals and its SLO
     horizon (the cut), and what it should take: the tail of a run is the clients' give-up and
     the longest output at the engines' step target."""
-    from bench_serving import WORKLOADS
-
     rows = []
     give_up = regime.give_up_factor * regime.slo_ttft_s
     step_target = regime.step_target_frac * regime.slo_tpot_s
@@ -315,8 +346,15 @@ def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
     tail = max(give_up, regime.output_range[1] * step_target / 2)
     expected = READY_S + args.duration + tail
     bound = READY_S + args.duration + horizon
-    calibration = 3 * READY_S + args.calibration_s + tail
-    calibration_bound = 4 * READY_S + args.calibration_s + horizon
+    # One engine's bursts alone (about 5 s), then the memory case's engines together and its
+    # stream; the compute case's burst (about 5 s).
+    calibration, calibration_bound = READY_S + 5.0, 2 * READY_S
+    if "memory" in args.cases:
+        calibration += 2 * READY_S + args.calibration_s + tail
+        calibration_bound += 2 * READY_S + args.calibration_s + horizon
+    if "compute" in args.cases:
+        calibration += 5.0
+        calibration_bound += 10.0
     rows.append(["calibration", "", "", f"{calibration:.0f}", f"{calibration_bound:.0f}"])
     plan: list[tuple[str, int, list[str]]] = []
     if "memory" in args.cases:
@@ -328,20 +366,18 @@ def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
     total_bound, total_expected = calibration_bound, calibration
     for case, n, variants in plan:
         if case == "compute":
-            workload = WORKLOADS[args.preset]
+            # Its crests end well before the run (the rate at the end is a third of what an
+            # engine serves): the tail is the clients' give-up or the longest output.
+            shape = COMPUTE_SHAPES[args.preset]
             duration = args.compute_duration or args.duration
             c_bound = (
                 READY_S
                 + duration
-                + workload.slo_ttft_s
-                + workload.output_range[1] * workload.slo_tpot_s
+                + regime.slo_ttft_s
+                + shape.output_range[1] * regime.slo_tpot_s
                 + 1.0
             )
-            c_expected = (
-                READY_S
-                + duration
-                + workload.output_range[1] * regime.step_target_frac * workload.slo_tpot_s / 2
-            )
+            c_expected = READY_S + duration + max(give_up, shape.output_range[1] * step_target / 2)
         else:
             c_bound, c_expected = bound, expected
         for variant in variants:
@@ -358,16 +394,100 @@ def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
     )
 
 
-def compute_bound_traces(preset: str, duration: float, seed: int) -> list[list[TraceRequest]]:
-    """bench_serving.py's co-located traces (the same seeds and phases)."""
-    from bench_serving import WORKLOADS, make_trace
+COMPUTE_PHASES = (0.3, 0.7)  # bench_serving.py's co-located crests, as shares of the run
 
-    workload = WORKLOADS[preset]
+
+def bump_rate(t: float, duration: float, phase: float, peak: float) -> float:
+    """bench_serving.py's arrival rate: a bump cresting at ``phase`` of the run, 10% of the peak
+    away from it."""
+    x = (t / duration - phase) / 0.18
+    return peak * (0.1 + 0.9 * math.exp(-x * x))
+
+
+def compute_bound_traces(
+    shape: ComputeShape, duration: float, peak: float, seed: int
+) -> list[list[TraceRequest]]:
+    """Two engines, bench_serving.py's bump-shaped arrivals (Poisson by thinning, crests at 30%
+    and 70% of the run) cresting at ``peak`` req/s, with ``shape``'s prefill-heavy requests."""
     traces = []
-    for index, phase in enumerate((0.3, 0.7)):
-        trace = make_trace(workload, duration, seed + 1 + index, phase)
-        traces.append([TraceRequest(r.arrival, len(r.prompt), r.max_tokens) for r in trace])
+    for index, phase in enumerate(COMPUTE_PHASES):
+        rng = np.random.default_rng([seed, 500 + index])
+        requests, t = [], 0.0
+        while True:
+            t += rng.exponential(1 / peak)
+            if t >= duration:
+                break
+            if rng.random() * peak > bump_rate(t, duration, phase, peak):
+                continue
+            requests.append(TraceRequest(t, *_lengths(rng, shape)))
+        traces.append(requests)
     return traces
+
+
+def engine_capacity(
+    prompt: float,
+    output: float,
+    step_s: float,
+    prefill_tok_s: float,
+    decode_step: Callable[[float], float],
+    max_batch: int,
+) -> tuple[float, float]:
+    """(requests/s, batch) one engine alone serves with its steps at ``step_s`` (the step
+    target): a second of steps spends ``rate x prompt / prefill_tok_s`` on prefills and
+    ``decode_step(batch) / step_s`` on the decode part of its steps, where the batch is
+    ``rate x output x step_s`` (Little's law: a request rides ``output`` steps). Returns the
+    rate where that reaches the second, or the full batch's rate if that comes first."""
+
+    def load(rate: float) -> float:
+        return rate * prompt / prefill_tok_s + decode_step(rate * output * step_s) / step_s
+
+    low, high = 0.0, max_batch / (output * step_s)
+    if load(high) <= 1.0:
+        return high, float(max_batch)  # the batch binds before compute
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if load(middle) <= 1.0 else (low, middle)
+    return low, low * output * step_s
+
+
+def paper_compute(
+    duration: float, peak: float, capacity: float, shared_device: bool, tau: float, give_up: float
+) -> tuple[float, float, float]:
+    """Fluid FIFO queues, one per engine (the compute case's bumps), each served at ``capacity``
+    req/s, or with ``shared_device`` both at ``capacity`` in all (split by backlog: the prefills
+    share the GPU). Returns (arrivals, served within the TTFT SLO ``tau``, the longest wait);
+    a request still waiting after ``give_up`` leaves. Memory plays no part: on paper static and
+    shared serve the same."""
+    dt = 0.01
+    queues: list[list[list[float]]] = [[] for _ in COMPUTE_PHASES]  # [[arrival, mass], ...]
+    arrived = within = longest = 0.0
+    t = 0.0
+    while t < duration + give_up:
+        for queue_, phase in zip(queues, COMPUTE_PHASES, strict=True):
+            if t < duration:
+                mass = bump_rate(t, duration, phase, peak) * dt
+                queue_.append([t, mass])
+                arrived += mass
+            while queue_ and t - queue_[0][0] > give_up:
+                queue_.pop(0)  # gave up
+        backlog = [sum(m for _, m in q) for q in queues]
+        if shared_device:
+            total = sum(backlog)
+            serve = [capacity * dt * b / total if total > 0 else 0.0 for b in backlog]
+        else:
+            serve = [capacity * dt] * len(queues)
+        for queue_, budget in zip(queues, serve, strict=True):
+            while queue_ and budget > 1e-12:
+                take = min(budget, queue_[0][1])
+                wait = t - queue_[0][0]
+                longest = max(longest, wait)
+                within += take if wait <= tau else 0.0
+                budget -= take
+                queue_[0][1] -= take
+                if queue_[0][1] <= 1e-12:
+                    queue_.pop(0)
+        t += dt
+    return arrived, within, longest
 
 
 def prompt_text(seed: int, engine: int, index: int, length: int) -> str:
@@ -566,7 +686,8 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
         memory = MemorySampler(lambda: kv.stats().mapped_bytes, SAMPLE_S)
         waiting = MemorySampler(lambda: len(scheduler.waiting), SAMPLE_S)
         running = MemorySampler(lambda: len(scheduler.running), SAMPLE_S)
-        held = MemorySampler(lambda: int(scheduler.compute_bound()), SAMPLE_S)
+        # What the waiting requests wait for (Scheduler.held_for), as a code (HELD_CODES).
+        held = MemorySampler(lambda: HELD_CODES.get(scheduler.held_for or "", 0), SAMPLE_S)
         for sampler in (memory, waiting, running, held):
             sampler.start = start
         with memory, waiting, running, held:
@@ -589,7 +710,7 @@ async def replay(spec: dict[str, Any]) -> dict[str, Any]:
             "memory": memory.samples,
             "waiting": waiting.samples,
             "running": running.samples,
-            "compute held": held.samples,
+            "held for": held.samples,
             "steps": log.steps,
             "records": [record_to_json(r, start) for r in records],
             "extra": {
@@ -759,7 +880,7 @@ class EngineRun:
     memory: list[tuple[float, int]]
     waiting: list[tuple[float, int]]
     running: list[tuple[float, int]]
-    compute_held: list[tuple[float, int]]  # 1 while admission held for compute (step_target)
+    held_for: list[tuple[float, int]]  # what the waiting requests waited for (HELD_CODES)
     steps: list[tuple[float, float, int, int]]
     duration: float
     extra: dict[str, float]
@@ -908,7 +1029,7 @@ class Harness:
                     memory=[(float(t), int(b)) for t, b in data["memory"]],
                     waiting=[(float(t), int(n)) for t, n in data["waiting"]],
                     running=[(float(t), int(n)) for t, n in data["running"]],
-                    compute_held=[(float(t), int(n)) for t, n in data["compute held"]],
+                    held_for=[(float(t), int(n)) for t, n in data["held for"]],
                     steps=[(float(t), float(d), int(b), int(k)) for t, d, b, k in data["steps"]],
                     duration=data["duration"],
                     extra=data["extra"],
@@ -935,24 +1056,42 @@ def integral(samples: list[tuple[float, int]], weight: Callable[[int, int], floa
     return total
 
 
-def queue_seconds(engine: EngineRun, max_batch: int) -> tuple[float, float, float]:
-    """(request-seconds waiting, of them while admission was held for compute, and while the
-    batch had room and compute did not hold it): the last is the wait for memory."""
-    running, held = engine.running, engine.compute_held
-    waited = integral(engine.waiting, lambda n, k: float(n))
-
+def queue_seconds(engine: EngineRun) -> dict[str, float]:
+    """Request-seconds waiting ("queue"), and of them by what the scheduler held admission for
+    (Scheduler.held_for): "memory" (a grow waiting for blocks, or the head's blocks not
+    available), "compute" (the step target, or the step's token budget: prefill compute),
+    "batch" (max_batch running); the rest waited while admission went on (the loop's turn)."""
+    held = engine.held_for
+    codes = {
+        "memory": {HELD_CODES["memory"]},
+        "compute": {HELD_CODES["compute"], HELD_CODES["tokens"]},
+        "batch": {HELD_CODES["batch"]},
+    }
+    result = {"queue": integral(engine.waiting, lambda n, k: float(n))}
     # The samplers run in one task, in turn: sample k of each is about the same moment.
-    def held_at(k: int) -> bool:
-        return bool(held) and held[min(k, len(held) - 1)][1] > 0
+    for name, wanted in codes.items():
 
-    def for_compute(n: int, k: int) -> float:
-        return float(n) if held_at(k) else 0.0
+        def weight(n: int, k: int, wanted: set[int] = wanted) -> float:
+            return float(n) if held and held[min(k, len(held) - 1)][1] in wanted else 0.0
 
-    def for_memory(n: int, k: int) -> float:
-        r = running[min(k, len(running) - 1)][1]
-        return float(n) if r < max_batch and not held_at(k) else 0.0
+        result[name] = integral(engine.waiting, weight)
+    return result
 
-    return waited, integral(engine.waiting, for_compute), integral(engine.waiting, for_memory)
+
+def step_load(engine: EngineRun, step_target: float) -> tuple[float, float]:
+    """(the share of the engine's stepping time in steps over ``step_target``, its mean step
+    while it had requests waiting, seconds)."""
+    total = sum(d for _, d, _, _ in engine.steps)
+    over = sum(d for _, d, _, _ in engine.steps if d > step_target)
+    waits = [(t, n) for t, n in engine.waiting]
+    times = [t for t, _ in waits]
+
+    def waiting_at(t: float) -> bool:
+        k = int(np.searchsorted(times, t, side="right")) - 1
+        return k >= 0 and waits[k][1] > 0
+
+    queued = [d for t, d, _, _ in engine.steps if waiting_at(t)]
+    return (over / total if total > 0 else 0.0), (float(np.mean(queued)) if queued else 0.0)
 
 
 def reclaim_times(samples: list[LedgerSample], page_bytes: int) -> tuple[list[float], int]:
@@ -1067,17 +1206,18 @@ def crest(run: VariantRun) -> tuple[float, float, float]:
 def summarize_variant(
     run: VariantRun,
     regime: Regime,
-    max_batch: int,
     page_bytes: int,
     arrivals_s: float,
     budget: int,
 ) -> dict[str, Any]:
     from kvasync._stats import percentile
 
+    step_target = regime.step_target_frac * regime.slo_tpot_s
     per_engine = []
     for engine in run.engines:
         done = [r for r in engine.records if r.error is None]
-        waited, for_compute, for_memory = queue_seconds(engine, max_batch)
+        queued = queue_seconds(engine)
+        over_target, queued_step = step_load(engine, step_target)
         memory = [b for _, b in engine.memory] or [0]
         times = [t for t, _ in engine.memory] or [0.0]
         span = times[-1] - times[0]
@@ -1093,9 +1233,12 @@ def summarize_variant(
                 "refused": int(engine.extra.get("refused", 0)),
                 "preemptions": sum(r.preemptions for r in engine.records),
                 "moved blocks": int(engine.extra.get("moved blocks", 0)),
-                "queue s": waited,
-                "memory queue s": for_memory,
-                "compute queue s": for_compute,
+                "queue s": queued["queue"],
+                "memory queue s": queued["memory"],
+                "compute queue s": queued["compute"],
+                "batch queue s": queued["batch"],
+                "steps over target": over_target,
+                "queued step ms": 1e3 * queued_step,
                 "TPOT misses": sum(
                     1 for r in done if r.tpot is not None and r.tpot > regime.slo_tpot_s
                 ),
@@ -1128,6 +1271,7 @@ def summarize_variant(
         "queue s": sum(e["queue s"] for e in per_engine),
         "memory queue s": sum(e["memory queue s"] for e in per_engine),
         "compute queue s": sum(e["compute queue s"] for e in per_engine),
+        "batch queue s": sum(e["batch queue s"] for e in per_engine),
         "TPOT misses": sum(e["TPOT misses"] for e in per_engine),
         "goodput": total_within / arrivals_s,
         "TTFT p50 s": percentile(ttft, 50) if ttft else float("nan"),
@@ -1176,7 +1320,7 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
         "done / requests",
         "gave up (cut)",
         "preempt.",
-        "queued s (memory / compute)",
+        "queued s (memory / compute / batch)",
         "TTFT p50 / p99 s",
         "TPOT p50 ms",
         "KV mean MiB",
@@ -1199,7 +1343,10 @@ def variant_table(summaries: list[dict[str, Any]], baseline: dict[str, Any]) -> 
                 f"{s['done']} / {s['requests']}",
                 f"{s['gave up']} ({s['cut']})" if s["cut"] else str(s["gave up"]),
                 str(s["preemptions"]),
-                f"{s['queue s']:.0f} ({s['memory queue s']:.0f} / {s['compute queue s']:.0f})",
+                (
+                    f"{s['queue s']:.0f} ({s['memory queue s']:.0f} / "
+                    f"{s['compute queue s']:.0f} / {s['batch queue s']:.0f})"
+                ),
                 f"{fmt(s['TTFT p50 s'])} / {fmt(s['TTFT p99 s'])}",
                 fmt(s["TPOT p50 ms"]),
                 f"{s['KV mean MiB']:.0f}",
@@ -1359,6 +1506,7 @@ class Case:
         self.phases = phases
         self.runs: list[VariantRun] = []
         self.summaries: list[dict[str, Any]] = []
+        self.verdict = "-"  # the regime check's ("yes" or "NO"), once run
         self.give_up_s = regime.give_up_factor * regime.slo_ttft_s
         longest_output = max(r.max_tokens for t in traces for r in t)
         self.horizon_s = regime.slo_ttft_s + longest_output * regime.slo_tpot_s + 1.0
@@ -1401,7 +1549,6 @@ class Case:
         summary = summarize_variant(
             run,
             self.regime,
-            self.regime.max_batch,
             self.geo.page_bytes,
             self.duration,
             self.budget,
@@ -1456,6 +1603,7 @@ def regime_text(case: Case, capacity: float | None, step_full: float | None) -> 
     compute_held = shared["compute queue s"] >= max(case.duration, 0.5 * shared["queue s"])
     compute_binds = tpot_misses > 0.1 or compute_held or shared["crest step ms"] > slo_ms
     verdict = "yes" if memory_binds and not compute_binds else "NO"
+    case.verdict = verdict
     crest = ""
     if capacity is not None and step_full is not None:
         crest = (
@@ -1466,12 +1614,14 @@ def regime_text(case: Case, capacity: float | None, step_full: float | None) -> 
     text = (
         f"**Regime: memory-bound: {verdict}.** Memory "
         f"{'binds' if memory_binds else 'does not bind'}: static 1/N's busiest engine waited "
-        f"{hot_memory:.0f} request-s for memory with its batch not full and compute not holding "
-        f"admission ({static['preemptions']} preemptions, {static['gave up']} clients gave up; "
+        f"{hot_memory:.0f} request-s for memory (admission held for blocks: a grow waiting, or "
+        f"the head's blocks not available; Scheduler.held_for) ({static['preemptions']} "
+        f"preemptions, {static['gave up']} clients gave up; "
         f"binding: at least one request waiting all along, {case.duration:.0f}). Compute "
         f"{'binds' if compute_binds else 'does not bind'}: in the shared run "
         f"{tpot_misses:.0%} of the finished requests missed the TPOT SLO (binding: over 10%), "
-        f"admission was held for compute {shared['compute queue s']:.0f} request-s of "
+        f"admission was held for compute (the step target or the step's tokens) "
+        f"{shared['compute queue s']:.0f} request-s of "
         f"{shared['queue s']:.0f} queued, the crest's steps took {fmt(shared['crest step ms'])} ms "
         f"(batch {shared['crest batch']:.0f}; SLO {slo_ms:.0f} ms). GPU busy (NVML) max "
         f"{fmt(shared['GPU busy max %'])}% shared, {fmt(static['GPU busy max %'])}% static (a "
@@ -1491,6 +1641,42 @@ def regime_text(case: Case, capacity: float | None, step_full: float | None) -> 
         + (f"**broken** by {', '.join(broken)}.\n" if broken else "kept.\n")
     )
     return text
+
+
+def compute_regime_text(case: Case) -> str:
+    """The regime check of the compute case: compute binds (in both variants, most of the queue
+    waited while admission was held for compute: the step target or the step's token budget,
+    and a request or more waited so all along) while memory and the batch do not (each held at
+    most 10% of the queue). Sets ``case.verdict``."""
+    target_ms = 1e3 * case.regime.step_target_frac * case.regime.slo_tpot_s
+    parts, verdicts = [], []
+    for s in case.summaries[:2]:
+        queue = max(s["queue s"], 1e-9)
+        compute = s["compute queue s"] >= max(case.duration, 0.5 * queue)
+        memory = s["memory queue s"] > 0.1 * queue
+        batch = s["batch queue s"] > 0.1 * queue
+        verdicts.append(compute and not memory and not batch)
+        engines = s["engines"]
+        parts.append(
+            f"{s['variant']}: {s['queue s']:.0f} request-s queued, held for compute "
+            f"{s['compute queue s']:.0f} ({s['compute queue s'] / queue:.0%}; binding: half the "
+            f"queue and at least {case.duration:.0f}), for memory {s['memory queue s']:.0f} "
+            f"({s['memory queue s'] / queue:.0%}), the batch full {s['batch queue s']:.0f} "
+            f"({s['batch queue s'] / queue:.0%}; binding: over 10% each); steps over the step "
+            f"target ({target_ms:.0f} ms): "
+            + " / ".join(f"{e['steps over target']:.0%}" for e in engines)
+            + " of each engine's stepping time, mean step while requests waited "
+            + " / ".join(f"{e['queued step ms']:.0f}" for e in engines)
+            + f" ms; {s['preemptions']} preemptions, {s['TPOT misses']} TPOT misses, "
+            f"{s['gave up']} clients gave up"
+        )
+    case.verdict = "yes" if all(verdicts) else "NO"
+    return (
+        f"**Regime: compute-bound: {case.verdict}.** "
+        + "; ".join(parts)
+        + ". Memory cannot bind by design (a static half holds a whole batch); where it did "
+        "queue, the verdict says NO.\n"
+    )
 
 
 def goal_rows(memory4: Case | None, compute: Case | None) -> list[list[str]]:
@@ -1534,14 +1720,100 @@ def goal_rows(memory4: Case | None, compute: Case | None) -> list[list[str]]:
             ratio = shared["within SLO"] / max(1, static["within SLO"])
             rows.append(
                 [
-                    f"shared >= 97% of static, compute-bound, N={compute.n}",
+                    f"shared >= 97% of static, compute-bound (regime check: {compute.verdict}), "
+                    f"N={compute.n}",
                     str(shared["within SLO"]),
                     f"{static['within SLO']} (static 1/N)",
                     f"{ratio:.2f}x",
-                    "met" if ratio >= 0.97 else "not met",
+                    (
+                        "not shown (the trace did not bind compute)"
+                        if compute.verdict != "yes"
+                        else "met"
+                        if ratio >= 0.97
+                        else "not met"
+                    ),
                 ]
             )
     return rows
+
+
+def compute_design(
+    emit: Callable[[str], None],
+    args: argparse.Namespace,
+    regime: Regime,
+    shape: ComputeShape,
+    geo: Geometry,
+    alone: list[dict[str, Any]],
+    means: tuple[float, float],
+) -> tuple[float, int]:
+    """The compute case from the calibration (the docstring's arithmetic): what one engine alone
+    serves at the step target, the crest's rate ``shape.overload`` times that, and a budget whose
+    static half holds a whole batch. Prints it. Returns (the crest's rate, the budget, bytes)."""
+    prompt, output = means
+    full, _, cold, mine = alone[:4]
+    step_target = regime.step_target_frac * regime.slo_tpot_s
+    prefill = float(mine["prefill_tok_s"])
+    anchor = float(mine["step_s"])
+    if not (math.isfinite(prefill) and math.isfinite(anchor)):
+        raise SystemExit(f"the compute case's calibration burst measured nothing: {mine}")
+    # Decode steps at the compute case's context: the burst's step, and the slope in the batch
+    # of the memory shapes' steps (full batch against the cold one).
+    slope = max(
+        0.0,
+        float(full["step_s"] - cold["step_s"]) / max(1, int(full["batch"] - cold["batch"])),
+    )
+
+    def decode_step(batch: float) -> float:
+        return max(0.5 * anchor, anchor + slope * (batch - float(mine["batch"])))
+
+    rate, batch = engine_capacity(
+        prompt, output, step_target, prefill, decode_step, regime.max_batch
+    )
+    peak = shape.overload * rate
+    per_engine = regime.max_batch * (prompt + output) * geo.token_bytes
+    pages = max(1, math.ceil(per_engine / geo.page_bytes))
+    budget = 2 * pages * geo.page_bytes
+    duration = args.compute_duration or args.duration
+    tau, give_up = regime.slo_ttft_s, regime.give_up_factor * regime.slo_ttft_s
+    arrived, apart, longest_apart = paper_compute(duration, peak, rate, False, tau, give_up)
+    _, together, longest_together = paper_compute(duration, peak, rate, True, tau, give_up)
+    middle = 2 * bump_rate(0.5, 1.0, COMPUTE_PHASES[0], peak)
+    over = 2 * 0.18 * math.sqrt(math.log(0.9 / (1 / shape.overload - 0.1))) * duration
+    emit(
+        f"**Compute-bound trace, by design** (two engines, bench_serving.py's bumps cresting at "
+        f"{COMPUTE_PHASES[0]:.0%} and {COMPUTE_PHASES[1]:.0%} of {duration:.0f} s): prefill-heavy "
+        f"requests, prompts of {prompt:.0f} tokens ({shape.prompt_range[0]}-"
+        f"{shape.prompt_range[1]}), outputs of {output:.0f} ({shape.output_range[0]}-"
+        f"{shape.output_range[1]}). Measured at these shapes (a burst of {mine['batch']}): "
+        f"prefill {prefill:.0f} tok/s, decode step {1e3 * anchor:.1f} ms (+{1e6 * slope:.1f} us "
+        f"a request, from the full batch against batch {cold['batch']}). One engine alone with "
+        f"its steps at the step target ({1e3 * step_target:.0f} ms, where admission holds) "
+        f"spends a second on rate x {prompt:.0f} / {prefill:.0f} s of prefills and "
+        f"decode_step(batch) / {1e3 * step_target:.0f} ms of decode, batch = rate x "
+        f"{output:.0f} x {1e3 * step_target:.0f} ms: it serves **{rate:.1f} req/s** at a batch "
+        f"of {batch:.0f}"
+        + (
+            f" (of {regime.max_batch}: compute binds before the batch).\n\n"
+            if batch < regime.max_batch
+            else " = max_batch: **the batch binds before compute** (raise max_batch).\n\n"
+        )
+        + f"The crest is {shape.overload:g}x that, {peak:.1f} req/s an engine: past what one "
+        f"engine alone serves for {over:.1f} s of each crest; in the middle of the run both "
+        f"engines get {middle:.1f} req/s in all, against {rate:.1f} if their prefills share "
+        f"the GPU fully. Memory cannot bind: the budget is two whole batches, {regime.max_batch} "
+        f"x {prompt + output:.0f} tokens x {geo.token_bytes:.0f} B = "
+        f"{per_engine / MIB:.0f} MiB an engine ({pages} page ids), **{budget / MIB:.0f} MiB**, so "
+        f"a static half holds the batch compute allows ({batch:.0f}) "
+        f"{regime.max_batch / max(batch, 1.0):.1f}x over; static and shared are limited by "
+        f"compute alike.\n\n"
+        f"**On paper** (fluid FIFO queues at the compute served, clients leaving after "
+        f"{give_up:.0f} s): of {arrived:.0f} arrivals, {apart:.0f} within the TTFT SLO with each "
+        f"engine served at {rate:.1f} req/s (longest wait {longest_apart:.1f} s), {together:.0f} "
+        f"with both sharing that rate (the prefills contend for the GPU; longest wait "
+        f"{longest_together:.1f} s): the same for static 1/N and shared, which is the goal "
+        f"(shared >= 97% of static).\n"
+    )
+    return peak, budget
 
 
 def main() -> None:
@@ -1554,6 +1826,12 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["memory", "compute"])
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     parser.add_argument("--compute-duration", type=float, default=None)
+    parser.add_argument(
+        "--compute-overload",
+        type=float,
+        default=None,
+        help="the compute case's crest rate, times what one engine alone serves (1..10)",
+    )
     parser.add_argument("--budget-mib", type=int, default=None, help="KV budget, all engines")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -1605,6 +1883,15 @@ def main() -> None:
     regime = dataclasses.replace(regime, **changes)
     if args.compute_cap is None:
         args.compute_cap = regime.step_target_frac
+    if args.compute_overload is not None:
+        if not 1.0 < args.compute_overload < 10.0:
+            raise SystemExit(f"--compute-overload must be in (1, 10), got {args.compute_overload}")
+        COMPUTE_SHAPES[args.preset] = dataclasses.replace(
+            COMPUTE_SHAPES[args.preset], overload=args.compute_overload
+        )
+    unknown = set(args.cases) - {"memory", "compute"}
+    if unknown or not args.cases:
+        raise SystemExit(f"--cases takes memory and/or compute, got {args.cases}")
     budget_mib = args.budget_mib or regime.budget_mib
     geo = geometry(args.preset, args.device)
     budget = (budget_mib * MIB // geo.page_bytes) * geo.page_bytes
@@ -1629,10 +1916,9 @@ def main() -> None:
     )
     try:
         # 1. Calibration, before any trace exists (the docstring's arithmetic, measured).
-        rng = np.random.default_rng([args.seed, 1000])
-        lengths = [_lengths(rng, regime) for _ in range(20000)]
-        mean_prompt = float(np.mean([p for p, _ in lengths]))
-        mean_output = float(np.mean([o for _, o in lengths]))
+        mean_prompt, mean_output = mean_lengths(regime, args.seed)
+        shape = COMPUTE_SHAPES[args.preset]
+        compute_prompt, compute_output = mean_lengths(shape, args.seed)
         held_tokens = mean_prompt + mean_output / 2  # a request's mean KV over its life
         n_max = max(args.engines)
         hot_batch = max(1, round(regime.hot_fill * budget / (held_tokens * geo.token_bytes)))
@@ -1642,149 +1928,170 @@ def main() -> None:
         harness.pool(max([*args.engines, 2]))  # every worker imports torch meanwhile
         emit(planned_wall(args, regime, n_max))
 
-        def burst(batch: int, decode_steps: int = 40) -> tuple[int, int, int]:
+        def burst(
+            batch: int, decode_steps: int = 40, prompt: float = mean_prompt
+        ) -> tuple[int, int, int]:
             # Outputs outlast the prefills (max_batch_tokens a step), so that every request of
             # the burst decodes together for decode_steps steps.
-            output = decode_steps + math.ceil(batch * mean_prompt / regime.max_batch_tokens)
-            return batch, int(mean_prompt), output
+            output = decode_steps + math.ceil(batch * prompt / regime.max_batch_tokens)
+            return batch, int(prompt), output
 
-        alone = harness.calibrate(
-            regime, [burst(regime.max_batch), burst(hot_batch), burst(cold_batch)]
-        )["bursts"]
-        step_full, step_hot, step_cold = (b["step_s"] for b in alone)
+        bursts = [burst(regime.max_batch), burst(hot_batch), burst(cold_batch)]
+        if "compute" in args.cases:  # the compute case's shapes: its prefill rate, its steps
+            bursts.append(burst(shape.burst_batch, prompt=compute_prompt))
+        alone = harness.calibrate(regime, bursts)["bursts"]
+        step_full, step_hot, step_cold = (b["step_s"] for b in alone[:3])
         capacity = regime.max_batch / step_full  # decode tokens/s of one engine at full batch
         prefill_tps = alone[0]["prefill_tok_s"]
-        # The hot engine's step with N - 1 cold engines stepping beside it on the device: the
-        # cold bursts run 3x as many steps, so they outlast the hot one's.
-        together = harness.calibrate_together(
-            regime, [[burst(hot_batch)]] + [[burst(cold_batch, 120)]] * (n_max - 1)
-        )
-        step_coloc = together[0]["bursts"][0]["step_s"]
-        # (at least 1: a faster step beside other engines is noise; a loaded CPU gives it)
-        contention = max(1.0, step_coloc / step_hot)
-        prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
-        points = sorted((b["batch"], b["step_s"]) for b in alone)
-
-        def step_alone(batch: float) -> float:
-            # Decode steps alone, linear between the calibrated batches.
-            return float(np.interp(batch, [b for b, _ in points], [s for _, s in points]))
-
-        # Little's law from the decode steps: the rate that keeps hot_batch requests in flight.
-        little = hot_batch / (step_coloc * (prefill_steps + mean_output))
-        # The lifetime measured: a stream on one engine alone, at a rate that should not fill
-        # its batch (steps that carry prefills are slower than decode steps: 1.5x a guess, the
-        # H200 gave 1.9x at this shape), replayed; the KV a request holds is from its admission
-        # to its end (its wait in the queue holds none).
-        stream_rate = little / 1.5
-        stream = memory_bound_traces(
-            dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
-            1,
-            args.calibration_s,
-            stream_rate,
-            args.seed + 2000,
-        )[0]
-        measured = harness.calibrate(regime, [], stream)["stream"]
-        stream_batch = max(1, int(measured["most_running"]))
-        # Steps with prefills in them against decode steps alone, at the stream's batch.
-        mixed = max(1.0, measured["mean_tpot_s"] / step_alone(stream_batch))
-
-        def step_at(batch: float) -> float:
-            # The hot engine's step co-located in a run, at a batch: decode steps alone, times
-            # the prefills' share measured in the stream, times the contention measured beside
-            # the cold engines.
-            return step_alone(batch) * mixed * contention
-
-        # Compute must not bind: the hot engine's step at its batch stays within compute_cap of
-        # the TPOT SLO (by default the step target, above which the engines hold admission).
-        # Where it does not, the batch (and the working set with it) is lowered until it does.
-        cap_s = args.compute_cap * regime.slo_tpot_s
-        batch = hot_batch
-        while batch > 1 and step_at(batch) > cap_s:
-            batch -= 1
-        capped = batch < hot_batch
-        # The lifetime co-located at that batch (the stream's, at the step's ratio), and the hot
-        # rate by Little's law: batch requests in flight.
-        kv_life_stream = float(measured["mean_kv_life_s"])
-        mean_life = kv_life_stream * contention * step_alone(batch) / step_alone(stream_batch)
-        hot_rate = batch / mean_life
-        working_set = hot_rate * mean_life * held_tokens * geo.token_bytes
-        saturated = stream_batch >= regime.max_batch
-        full = " (its whole batch: saturated, the lifetime is too long)" if saturated else ""
-
-        def lifetime(r: TraceRequest) -> float:
-            return mean_life * (prefill_steps + r.max_tokens) / (prefill_steps + mean_output)
-
-        def prefill_load(rate: float) -> float:
-            # The device's share spent on all engines' prefills at that hot rate.
-            return rate * (1 + (n_max - 1) * regime.cold_weight) * mean_prompt / prefill_tps
-
+        summary_json["calibration"] = {"alone": alone}
         emit(
             f"**Calibration** (one engine alone): decode step {1e3 * step_full:.1f} ms at full "
             f"batch ({regime.max_batch}, {capacity:.0f} tok/s), {1e3 * step_hot:.1f} ms at "
             f"batch {hot_batch}, {1e3 * step_cold:.1f} ms at batch {cold_batch} (prompts of "
-            f"{mean_prompt:.0f} tokens); prefill {prefill_tps:.0f} tok/s. With {n_max - 1} "
-            f"engines stepping at batch {cold_batch} beside it: {1e3 * step_coloc:.1f} ms at "
-            f"batch {hot_batch} (x{contention:.2f}).\n\n"
-            f"**Memory-bound trace, from first principles**: a request holds {held_tokens:.0f} "
-            f"tokens ({held_tokens * geo.token_bytes / MIB:.1f} MiB) on average; the hot "
-            f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
-            f"({regime.hot_fill * budget / MIB:.0f} MiB, {hot_batch} requests), "
-            f"{regime.hot_fill * n_max:.1f}x a 1/{n_max} partition. Little's law with the "
-            f"co-located decode step: {little:.2f} req/s. A stream of {stream_rate:.2f} req/s "
-            f"for {args.calibration_s:.0f} s on one engine alone ran up to {stream_batch} "
-            f"requests at once{full}; "
-            f"a token took {1e3 * measured['mean_tpot_s']:.1f} ms (x{mixed:.2f} a decode step: "
-            f"the prefills), steps {1e3 * measured['steady_step_s']:.1f} ms once steady, "
-            f"TTFT {measured['mean_ttft_s']:.2f} s; a request held its KV "
-            f"{kv_life_stream:.2f} s (estimated {step_hot * (prefill_steps + mean_output):.2f} "
-            f"s from decode steps), {mean_life:.2f} s co-located at batch {batch}. So the hot "
-            f"rate is {batch} / {mean_life:.2f} s = {hot_rate:.2f} req/s (a working set of "
-            f"{working_set / MIB:.0f} MiB); cold engines get {regime.cold_weight:.0%} of it; "
-            f"bursts x{regime.burst_factor} for {regime.burst_s} s, "
-            f"{regime.bursts_per_min:g}/min per engine.\n\n"
-            f"**Compute check**: the hot engine's step co-located at batch {batch} (decode "
-            f"{1e3 * step_alone(batch):.1f} ms x{mixed:.2f} prefills x{contention:.2f} "
-            f"contention; prefills {prefill_load(hot_rate):.1%} of the device) is "
-            f"{1e3 * step_at(batch):.1f} ms against a cap of {1e3 * cap_s:.0f} ms "
-            f"({args.compute_cap:.0%} of the TPOT SLO; the engines hold admission above "
-            f"{1e3 * step_target:.0f} ms)"
-            + (
-                f". **Capped by compute**: at batch {batch} (not {hot_batch}) the hot working "
-                f"set is below its target, so these request shapes cannot make memory bind on "
-                f"this device (shorter steps or more KV per request would).\n"
-                if capped
-                else ": compute does not bind at the hot working set.\n"
-            )
+            f"{mean_prompt:.0f} tokens); prefill {prefill_tps:.0f} tok/s.\n"
         )
-        paper = [
-            (n, *paper_within_slo(regime, n, args.duration, hot_rate, mean_life))
-            for n in args.engines
-        ]
-        emit(
-            "**On paper** (the docstring's arithmetic with these figures; bursts left out): "
-            + "; ".join(
-                f"N={n}: static 1/N {static:.0f}, shared {shared:.0f} requests within SLO "
-                f"({shared / max(1.0, static):.2f}x)"
-                for n, static, shared in paper
+        hot_rate = mean_life = 0.0
+        lifetime: Callable[[TraceRequest], float] = lambda r: 0.0  # noqa: E731
+        if "memory" in args.cases:
+            # The hot engine's step with N - 1 cold engines stepping beside it on the device: the
+            # cold bursts run 3x as many steps, so they outlast the hot one's.
+            together = harness.calibrate_together(
+                regime, [[burst(hot_batch)]] + [[burst(cold_batch, 120)]] * (n_max - 1)
             )
-            + ".\n"
-        )
-        summary_json["calibration"] = {
-            "alone": alone,
-            "together": together,
-            "hot_batch": hot_batch,
-            "cold_batch": cold_batch,
-            "capped_batch": batch,
-            "little_rate": little,
-            "stream_rate": stream_rate,
-            "mixed": mixed,
-            "contention": contention,
-            "prefill_tok_s": prefill_tps,
-            "stream": measured,
-            "lifetime_s": mean_life,
-            "hot_rate": hot_rate,
-            "paper": paper,
-        }
+            step_coloc = together[0]["bursts"][0]["step_s"]
+            # (at least 1: a faster step beside other engines is noise; a loaded CPU gives it)
+            contention = max(1.0, step_coloc / step_hot)
+            prefill_steps = 1 + mean_prompt / regime.max_batch_tokens
+            points = sorted((b["batch"], b["step_s"]) for b in alone)
+
+            def step_alone(batch: float) -> float:
+                # Decode steps alone, linear between the calibrated batches.
+                return float(np.interp(batch, [b for b, _ in points], [s for _, s in points]))
+
+            # Little's law from the decode steps: the rate that keeps hot_batch requests in flight.
+            little = hot_batch / (step_coloc * (prefill_steps + mean_output))
+            # The lifetime measured: a stream on one engine alone, at a rate that should not fill
+            # its batch (steps that carry prefills are slower than decode steps: 1.5x a guess, the
+            # H200 gave 1.9x at this shape), replayed; the KV a request holds is from its admission
+            # to its end (its wait in the queue holds none).
+            stream_rate = little / 1.5
+            stream = memory_bound_traces(
+                dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
+                1,
+                args.calibration_s,
+                stream_rate,
+                args.seed + 2000,
+            )[0]
+            measured = harness.calibrate(regime, [], stream)["stream"]
+            stream_batch = max(1, int(measured["most_running"]))
+            # Steps with prefills in them against decode steps alone, at the stream's batch.
+            mixed = max(1.0, measured["mean_tpot_s"] / step_alone(stream_batch))
+
+            def step_at(batch: float) -> float:
+                # The hot engine's step co-located in a run, at a batch: decode steps alone, times
+                # the prefills' share measured in the stream, times the contention measured beside
+                # the cold engines.
+                return step_alone(batch) * float(mixed * contention)
+
+            # Compute must not bind: the hot engine's step at its batch stays within compute_cap of
+            # the TPOT SLO (by default the step target, above which the engines hold admission).
+            # Where it does not, the batch (and the working set with it) is lowered until it does.
+            cap_s = args.compute_cap * regime.slo_tpot_s
+            batch = hot_batch
+            while batch > 1 and step_at(batch) > cap_s:
+                batch -= 1
+            capped = batch < hot_batch
+            # The lifetime co-located at that batch (the stream's, at the step's ratio), and the hot
+            # rate by Little's law: batch requests in flight.
+            kv_life_stream = float(measured["mean_kv_life_s"])
+            mean_life = kv_life_stream * contention * step_alone(batch) / step_alone(stream_batch)
+            hot_rate = batch / mean_life
+            working_set = hot_rate * mean_life * held_tokens * geo.token_bytes
+            saturated = stream_batch >= regime.max_batch
+            full = " (its whole batch: saturated, the lifetime is too long)" if saturated else ""
+
+            def hot_lifetime(r: TraceRequest) -> float:
+                return float(
+                    mean_life * (prefill_steps + r.max_tokens) / (prefill_steps + mean_output)
+                )
+
+            def prefill_load(rate: float) -> float:
+                # The device's share spent on all engines' prefills at that hot rate.
+                share = rate * (1 + (n_max - 1) * regime.cold_weight) * mean_prompt
+                return float(share / prefill_tps)
+
+            emit(
+                f"**Calibration, memory case**: the hot engine's decode step with {n_max - 1} "
+                f"engines stepping at batch {cold_batch} beside it: {1e3 * step_coloc:.1f} ms at "
+                f"batch {hot_batch} (x{contention:.2f} alone).\n\n"
+                f"**Memory-bound trace, from first principles**: a request holds {held_tokens:.0f} "
+                f"tokens ({held_tokens * geo.token_bytes / MIB:.1f} MiB) on average; the hot "
+                f"engine's working set is to be {regime.hot_fill:.0%} of the budget "
+                f"({regime.hot_fill * budget / MIB:.0f} MiB, {hot_batch} requests), "
+                f"{regime.hot_fill * n_max:.1f}x a 1/{n_max} partition. Little's law with the "
+                f"co-located decode step: {little:.2f} req/s. A stream of {stream_rate:.2f} req/s "
+                f"for {args.calibration_s:.0f} s on one engine alone ran up to {stream_batch} "
+                f"requests at once{full}; "
+                f"a token took {1e3 * measured['mean_tpot_s']:.1f} ms (x{mixed:.2f} a decode step: "
+                f"the prefills), steps {1e3 * measured['steady_step_s']:.1f} ms once steady, "
+                f"TTFT {measured['mean_ttft_s']:.2f} s; a request held its KV "
+                f"{kv_life_stream:.2f} s (estimated {step_hot * (prefill_steps + mean_output):.2f} "
+                f"s from decode steps), {mean_life:.2f} s co-located at batch {batch}. So the hot "
+                f"rate is {batch} / {mean_life:.2f} s = {hot_rate:.2f} req/s (a working set of "
+                f"{working_set / MIB:.0f} MiB); cold engines get {regime.cold_weight:.0%} of it; "
+                f"bursts x{regime.burst_factor} for {regime.burst_s} s, "
+                f"{regime.bursts_per_min:g}/min per engine.\n\n"
+                f"**Compute check**: the hot engine's step co-located at batch {batch} (decode "
+                f"{1e3 * step_alone(batch):.1f} ms x{mixed:.2f} prefills x{contention:.2f} "
+                f"contention; prefills {prefill_load(hot_rate):.1%} of the device) is "
+                f"{1e3 * step_at(batch):.1f} ms against a cap of {1e3 * cap_s:.0f} ms "
+                f"({args.compute_cap:.0%} of the TPOT SLO; the engines hold admission above "
+                f"{1e3 * step_target:.0f} ms)"
+                + (
+                    f". **Capped by compute**: at batch {batch} (not {hot_batch}) the hot working "
+                    f"set is below its target, so these request shapes cannot make memory bind on "
+                    f"this device (shorter steps or more KV per request would).\n"
+                    if capped
+                    else ": compute does not bind at the hot working set.\n"
+                )
+            )
+            paper = [
+                (n, *paper_within_slo(regime, n, args.duration, hot_rate, mean_life))
+                for n in args.engines
+            ]
+            emit(
+                "**On paper** (the docstring's arithmetic with these figures; bursts left out): "
+                + "; ".join(
+                    f"N={n}: static 1/N {static:.0f}, shared {shared:.0f} requests within SLO "
+                    f"({shared / max(1.0, static):.2f}x)"
+                    for n, static, shared in paper
+                )
+                + ".\n"
+            )
+            summary_json["calibration"] |= {
+                "together": together,
+                "hot_batch": hot_batch,
+                "cold_batch": cold_batch,
+                "capped_batch": batch,
+                "little_rate": little,
+                "stream_rate": stream_rate,
+                "mixed": mixed,
+                "contention": contention,
+                "prefill_tok_s": prefill_tps,
+                "stream": measured,
+                "lifetime_s": mean_life,
+                "hot_rate": hot_rate,
+                "paper": paper,
+            }
+            lifetime = hot_lifetime
+        if "compute" in args.cases:
+            compute_peak, compute_budget = compute_design(
+                emit, args, regime, shape, geo, alone, (compute_prompt, compute_output)
+            )
+            summary_json["calibration"] |= {
+                "compute_peak": compute_peak,
+                "compute_budget": compute_budget,
+            }
         memory4: Case | None = None
         compute: Case | None = None
         # The goal's cases first (device time may run out): the largest N, then the compute-
@@ -1804,18 +2111,16 @@ def main() -> None:
                     harness, "memory", n, traces, regime, budget, geo, args.duration, phases
                 )
             else:
-                from bench_serving import WORKLOADS
-
-                workload = WORKLOADS[args.preset]
                 duration = args.compute_duration or args.duration
+                # The memory case's SLOs and engines (step target included), the compute
+                # case's request shapes.
                 compute_regime = dataclasses.replace(
                     regime,
-                    slo_ttft_s=workload.slo_ttft_s,
-                    slo_tpot_s=workload.slo_tpot_s,
-                    max_batch=workload.max_batch,
+                    prompt_median=shape.prompt_median,
+                    prompt_range=shape.prompt_range,
+                    output_range=shape.output_range,
                 )
-                compute_budget = (workload.kv_mib * MIB // geo.page_bytes) * geo.page_bytes
-                traces = compute_bound_traces(args.preset, duration, args.seed)
+                traces = compute_bound_traces(shape, duration, compute_peak, args.seed)
                 phases = None
                 case = Case(
                     harness,
@@ -1849,7 +2154,10 @@ def main() -> None:
                     case.run_static(label, pages)
             baseline = case.summaries[0]
             emit(variant_table(case.summaries, baseline) + "\n")
-            emit(regime_text(case, capacity, step_full) + "\n")
+            if case_name == "memory":
+                emit(regime_text(case, capacity, step_full) + "\n")
+            else:
+                emit(compute_regime_text(case) + "\n")
             plot = plot_case(
                 case.runs,
                 out / f"colocate_many_{args.preset}_{case_name}_N{n}.png",
