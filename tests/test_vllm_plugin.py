@@ -781,6 +781,26 @@ def test_a_tensor_parallel_rank_that_never_starts_fails_the_engine_start_naming_
     assert "null block's page was not mapped" in rank_processes[0].read()["error"]
 
 
+def test_a_broken_tensor_parallel_group_ends_the_null_block_wait_without_spinning(
+    engines: list[EngineKV], rank_processes: list[RankProcess]
+) -> None:
+    # Review: once a rank had left, the holder retried the null block's map (which then fails at
+    # once) in a tight loop until its deadline: 69,857 failed maps in 3 s, a minute of a spinning
+    # core before the engine's start failed.
+    from kvasync import KVAsyncError
+    from kvasync.integrations.vllm._ranks import NullBlockHolder
+
+    engine, group = open_group_engine(engines, 2, map_timeout=0.5)
+    holder = NullBlockHolder(engine.allocator, timeout=20.0)
+    # Rank 1 joins, waits 1 s for the null block, gives up and leaves; rank 0 never starts.
+    rank_processes.append(RankProcess(group, 1, timeout=1.0))
+    started = time.monotonic()
+    with pytest.raises(KVAsyncError, match="must be reopened"):
+        holder.wait()
+    assert time.monotonic() - started < 10.0  # ended by the group's break, not the 20 s deadline
+    assert "null block's page was not mapped" in rank_processes[0].read()["error"]
+
+
 @needs_vllm
 def test_a_killed_tensor_parallel_rank_makes_allocations_misses_not_hangs(
     monkeypatch: pytest.MonkeyPatch,

@@ -42,6 +42,10 @@ __all__ = [
 _JOIN_TIMEOUT = 60.0
 # A map through the group waits this long for every rank (then it is a miss, never a hang).
 _MAP_TIMEOUT = 5.0
+# The null block's map is retried while ranks join, pausing between tries (10 ms, doubling).
+_RETRY_PAUSE_MIN, _RETRY_PAUSE_MAX = 0.01, 0.25
+# What csrc/group/group_backend.cpp says of every map once the group is broken (GroupBackend::map).
+_GROUP_BROKEN = "the group must be reopened"
 
 
 def group_name_for(engine_pid: int) -> str:
@@ -124,11 +128,13 @@ class NullBlockHolder:
         self._kv = kv
         self._deadline = time.monotonic() + timeout
         self._error: BaseException | None = None
+        self._stop = threading.Event()  # never set: its wait is the retries' bounded pause
         self._thread = threading.Thread(target=self._run, name="kvasync-null-block", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         failed: MapError | None = None
+        pause = _RETRY_PAUSE_MIN
         while True:
             left = self._deadline - time.monotonic()
             try:
@@ -136,9 +142,15 @@ class NullBlockHolder:
                 return
             except MapError as error:  # a rank not there yet: the map waited, then failed
                 failed = error
-                if time.monotonic() >= self._deadline:
+                # A broken group (a rank left, was refused or died) fails every map at once and
+                # for good: retrying it would only spin until the deadline.
+                if _GROUP_BROKEN in str(error) or time.monotonic() >= self._deadline:
                     self._error = error
                     return
+                # A map that failed fast (not a wait for an absent rank) is retried after a
+                # pause, growing, so a failing driver does not turn this thread into a spin.
+                self._stop.wait(min(pause, max(0.0, self._deadline - time.monotonic())))
+                pause = min(2 * pause, _RETRY_PAUSE_MAX)
             except AllocTimeout as error:  # the deadline: the last map's failure says why
                 self._error = failed or error
                 return
