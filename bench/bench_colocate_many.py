@@ -29,10 +29,19 @@ Cases:
            is ``hot_fill`` of the whole budget, 3x a 1/4 partition, while the hot engine and the
            cold ones fit the budget together (0.75 x (1 + 3 x 0.05) = 0.86).
 
-  compute  the compute-bound trace of bench_serving.py --colocated-only (two engines, bump-shaped
-           arrivals peaking at 30% and 70% of the run, both past their compute at the crest), on
-           this harness (static halves against shared): no memory policy can win here; the goal
-           is not to lose.
+  compute  the regime where compute binds and memory cannot, by design (static halves against
+           shared; no memory policy can win here, the goal is not to lose). Two engines with
+           bench_serving.py's bump-shaped arrivals (cresting at 30% and 70% of the run, 10% of
+           the crest away from it), but prefill-heavy requests (small: prompts of 1024-2048
+           tokens, outputs of 32-96), so that a request costs the device its prefill and little
+           decode time: compute binds at a batch far below max_batch. The crest is
+           ``overload`` (1.75) times what one engine alone serves with its steps at the step
+           target (below), and the budget is two whole batches (max_batch requests of mean
+           size each), so a static half holds every batch the engine may run: memory cannot
+           bind before the batch does, and the batch not before compute. (bench_serving's own
+           shapes, outputs of 64-512 at 22 ms decode steps, fill the batch of 256 before the
+           steps reach the target on the H200; with its 3072 MiB budget the static halves
+           queued for memory: the H200 run of 2026-12-01 said memory-bound.)
 
 Calibration (memory case), each figure measured: decode steps alone at the full batch, the hot
 batch and the cold one, and the prefill rate; the hot engine's decode step with N - 1 engines
@@ -49,6 +58,38 @@ and compute not holding admission) for at least one request-second a second, whi
 shared run at most 10% of the requests missed the TPOT SLO, admission was not held for compute
 for most of its queue, and the crest's steps stayed within the TPOT SLO. (NVML's "GPU busy" is
 printed but is no evidence: it counts a kernel running, 99% even at a quarter of the device.)
+
+The compute case's arithmetic, before its runs (printed: "Compute-bound trace, by design"), from
+a calibration burst at its shapes (one engine alone, ``burst_batch`` requests: its prefill tok/s
+P and its decode step D at that batch, with the slope in the batch of the memory bursts' steps).
+An engine whose steps average the step target S (admission holds above it) spends each second
+on rate x prompt / P of prefills and D(batch) / S of decode, with batch = rate x output x S
+(Little's law: a request rides ``output`` steps); the rate where that reaches 1 is what one
+engine alone serves, mu. With the H200 run's figures of 2026-12-01 (P = 47.9k tok/s, measured
+at 337-token prompts; D = 18 ms at batch 64, between the 16.1 and 22.1 ms measured at 10 and
+256, + 0.024 ms a request; S = 60 ms; prompts of 1549, outputs of 64): mu = 21 req/s at a batch
+of 82 (of 256), so the crest is 37 req/s an engine, past mu for 7 s of each crest of a 24 s
+run; in the middle both engines get 27 req/s together, against mu if their prefills share the
+GPU fully. The budget: 2 x 256 x 1613 tokens x 12 KiB, rounded up to page ids, = 9.5 GiB
+(static halves of 4.7 GiB, 3x the batch compute allows). Within the TTFT SLO on paper (fluid
+FIFO queues, clients leaving after 6 s): of 691 arrivals, 429 with each engine served at mu,
+168 with both sharing mu: where the device lies between is for the run to say; static and
+shared alike either way. The regime
+check (compute-bound: yes/NO) wants, in both variants, most of the queue (and at least one
+request all along) held for compute (Scheduler.held_for: the step target, or the step's token
+budget: prefill compute), and at most 10% held for memory and 10% with the batch full; it
+prints each engine's share of stepping time in steps over the step target and its mean step
+while requests waited. The goal's row reads "not shown" unless the check says yes.
+
+The step target in the compute case: both variants hold admission by the same rule, each
+engine on its own steps (the other engine's kernels make them slower in both alike), and the
+share is never under pressure (its budget holds both whole batches), so its fair shares never
+lower a limit; what differs is the allocator's mechanics (a static engine maps its half at
+start; a shared one maps as it grows, 1-4 page ids ready), which the run measures (a grow
+waiting for a page counts as held for memory). Where memory binds as well (the old trace), a
+held engine reports only its running requests' demand, so the share may give its memory to the
+other engine and its next admission waits for a reclaim (about 300 ms on the H200): memory the
+other engine uses, not a loss of the device's compute.
 
 The arithmetic of the goal (shared >= 2x static 1/N at N = 4), before the run. With hot rate
 L, KV lifetime T, hot fill f, TTFT SLO tau and N engines, a 1/N partition holds s = 1/(N f) of
@@ -77,10 +118,11 @@ ms a loaded engine's steps take with prefills in them) keeps the horizon at 2 + 
 
 Metrics: requests within both SLOs (TTFT and TPOT) per engine and in total; goodput (requests
 within SLO per second of arrivals); preemptions; queue waits (request-seconds waiting; of them,
-those while admission was held for compute, and those while the batch had room otherwise: queued
-for memory); the limits' oscillation in shared runs (each member's limit in force from the
-ledger: the most direction changes and fall->rise turns in any second, and the closest two
-turns, against the policy's bound of one fall->rise turn per 300 ms regrow hold); the time to
+by what the scheduler held admission for, Scheduler.held_for: memory, compute (the step target
+or the step's token budget), the batch full); the limits' oscillation in shared runs (each
+member's limit in force from the ledger: the most direction changes and fall->rise turns in any
+second, and the closest two turns, against the policy's bound of one fall->rise turn per 300 ms
+regrow hold); the time to
 take memory back from an idle engine (shared runs, from the share's ledger sampled every 50 ms:
 from a sample where a member is blocked on the share's budget while another holds a page or more
 mapped beyond what it uses, to the first sample where that one's committed bytes dropped); KV
@@ -93,12 +135,15 @@ Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (
 plugin, kvasync.integrations.vllm); it is not wired yet and says so.
 
 Usage: python bench/bench_colocate_many.py --preset tiny --device cpu --engines 2 --duration 10
-On the H200 (one call; a rehearsal at cb4a3e1 took 6 min 43 s with the build: N=4 shared 715
-within SLO vs static 1/N 226 (3.16x) and static by shared peaks 523; N=2 662 vs 590; the
-compute case 604 vs 371, where static halves queued for memory; the regime check said
-memory-bound in each):
+(``--cases compute`` runs the compute case alone, with its calibration only.)
+On the H200, one call (planned 437 s expected with the runs' tails, 594 s at most if every run
+were cut at its SLO horizon, plus the build; the plan is printed first; the goal's cases run
+first: memory N=4, compute, then memory N=2). The previous command (compute case on
+bench_serving's shapes, 20 s) took 6 min 43 s with the build at cb4a3e1: N=4 shared 715 within
+SLO vs static 1/N 226 (3.16x), static by shared peaks 523; N=2 662 vs 590; its compute case
+(604 vs 371) bound memory, not compute:
   python bench/bench_colocate_many.py --preset small --device cuda --engines 4 2 --duration 36 \
-    --compute-duration 20 --calibration-s 6 --best-static "shared peaks"
+    --compute-duration 24 --calibration-s 6 --best-static "shared peaks"
 Writes the tables (results_<preset>.md), the plots (PNG) and summary.json to --out.
 """
 
