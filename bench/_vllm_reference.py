@@ -20,6 +20,7 @@ deadline), never worked around.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -134,5 +135,27 @@ def summary_line(status: dict[str, Any] | None) -> str:
     return (
         f"kvcached {str(status['commit'])[:10]} from source, built in "
         f"{status['seconds']:.0f} s ({status.get('note', 'this call')}); its engines are the "
-        "'kvcached' rows above"
+        "rows named kvcached"
     )
+
+
+def patch_report(work: pathlib.Path) -> list[str]:
+    """What kvcached said of its patches of vLLM in this run's kvcached engines (its log lines
+    "Successfully patched vllm: ..." and "Failed to patch vllm: ..."), each distinct line once:
+    a patch that fails is logged as a warning and the engine goes on, partly patched."""
+    said: dict[str, None] = {}
+    for spec_path in sorted(work.rglob("*.spec.json")):
+        try:
+            if json.loads(spec_path.read_text()).get("kind") != "kvcached":
+                continue
+            text = spec_path.with_name(spec_path.name[: -len(".spec.json")] + ".log").read_text(
+                errors="replace"
+            )
+        except (OSError, json.JSONDecodeError):
+            continue
+        for line in text.splitlines():
+            for needle in ("Successfully patched vllm", "Failed to patch vllm"):
+                at = line.find(needle)
+                if at >= 0:
+                    said.setdefault(line[at:].strip()[:400])
+    return list(said)

@@ -358,6 +358,7 @@ def use_reference(args: argparse.Namespace) -> None:
     the comparison means something (sizes trimmed so that the build and all four fit one call)."""
     args.mode = ["identity", "release", "seed-a", "two"]
     args.runs = ["stock", "kvcached"]
+    args.with_mp = False
     args.rounds = 2
     # Stock's release failure is measured in the earlier calls (RESULTS.md); its time goes to
     # a second kvcached attempt.
@@ -527,6 +528,11 @@ def main() -> None:
         report.report_mode(mode, data, args.out)
         run.archive()
     print(f"\nreference allocator (kvcached): {reference.summary_line(built)}")
+    if built is not None:
+        summary["reference_patches"] = reference.patch_report(run.work)
+        (args.out / "summary.json").write_text(json.dumps(summary))
+        for line in summary["reference_patches"]:
+            print(f"  kvcached: {line}")
     print(
         f"\nwhole run: {time.monotonic() - whole.t0:.0f} s; data in {args.out} (each engine's "
         f"files in {args.out / 'engines.tar.gz'})",

@@ -23,6 +23,20 @@ python3 -m pip install -q --no-deps --no-index --target "$staging" "$pack"/wheel
 # compiler, as for kvasync's own build on this image.
 export PATH="$staging/bin:$PATH" CC=/usr/bin/gcc CXX=/usr/bin/g++ MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# kvcached links the driver API (-lcuda). A container may have only the driver's libcuda.so.1 and
+# no unversioned libcuda.so for the linker: then link against the toolkit's stub, or that .so.1.
+if ! echo 'int main(void){return 0;}' | gcc -x c - -lcuda -o "$work/probe" 2>/dev/null; then
+  cuda_home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+  for candidate in "$cuda_home/lib64/stubs/libcuda.so" \
+      "$cuda_home/targets/x86_64-linux/lib/stubs/libcuda.so" \
+      $(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF}'); do
+    if [ -e "$candidate" ]; then
+      mkdir -p "$work/lib"; ln -sf "$candidate" "$work/lib/libcuda.so"
+      export LIBRARY_PATH="$work/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+      echo "linking -lcuda against $candidate"; break
+    fi
+  done
+fi
 python3 -m pip install --no-build-isolation --no-deps --no-index --target "$staging" "$work/kvcached"
 [ -f "$staging/kvcached_autopatch.pth" ] || { echo "the build left no kvcached_autopatch.pth" >&2; exit 1; }
 PYTHONPATH="$staging" python3 -c "import torch, kvcached.vmm_ops, wrapt.importer, posix_ipc; print('kvcached built against torch', torch.__version__)"
