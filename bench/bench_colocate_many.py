@@ -235,8 +235,9 @@ class ComputeShape:
 
 
 COMPUTE_SHAPES = {
-    # tiny: short enough for the model's 512 positions; checks the harness end to end.
-    "tiny": ComputeShape(192, (128, 320), (8, 32), 16),
+    # tiny: within the model's 512 positions, prefill-heavy enough that a CPU's compute binds
+    # below the batch of 64; checks the harness (and the regime check's "yes") end to end.
+    "tiny": ComputeShape(400, (320, 480), (4, 12), 16),
     # small: a request costs the device its prefill (1536 tokens: about 32 ms of an H200 at the
     # 48k tok/s measured) and little decode (64 tokens at <= 60 ms a step: 4 s), so one engine
     # alone serves about 20 req/s at a batch of about 80 (the docstring's arithmetic), and a
