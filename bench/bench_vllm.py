@@ -86,7 +86,9 @@ kvcached engine (``bench/reference/build_kvcached.sh``, about a minute; the run'
 it; a build already in ``--kvcached-site`` from the same commit is kept). ``--reference`` is the
 reference's call: identity (stock, kvcached; 2 rounds), release (kvcached, 2 attempts; stock's
 failure is in the earlier calls), seed A (kvcached, 4 starts), two (static-stock, kvcached);
-about 450 s with the build.
+about 450 s with the build when nothing hangs. A hang costs its step's deadline and the modes
+after it keep their minimum (``RESERVE_S``); with ``--mode`` it runs only the modes named, so
+two calls (``--mode identity release``, then ``--mode seed-a two``) give each more room.
 
 The reference's device call (on the CPU machine first: ``bash bench/reference/pack_kvcached.sh``,
 which writes ``build/kvcached``, 0.6 MiB; and ``bash ../shared/vllm-on-device/pack.sh``). After
@@ -355,8 +357,10 @@ def plans_kvcached(args: argparse.Namespace) -> bool:
 
 def use_reference(args: argparse.Namespace) -> None:
     """``--reference``: kvcached engines in place of kvasync's, beside stock, in the modes where
-    the comparison means something (sizes trimmed so that the build and all four fit one call)."""
-    args.mode = ["identity", "release", "seed-a", "two"]
+    the comparison means something (sizes trimmed so that the build and all four fit one call;
+    an explicit ``--mode`` runs only those)."""
+    if args.mode is None:
+        args.mode = ["identity", "release", "seed-a", "two"]
     args.runs = ["stock", "kvcached"]
     args.with_mp = False
     args.rounds = 2
@@ -401,7 +405,7 @@ def main() -> None:
     parser.add_argument(
         "--work", type=pathlib.Path, help="each engine's files (default: a new folder in /tmp)"
     )
-    parser.add_argument("--mode", nargs="+", choices=MODES, default=["identity"])
+    parser.add_argument("--mode", nargs="+", choices=MODES, help="default: identity")
     parser.add_argument(
         "--all", action="store_true", help="identity (with mp), seed-a, release, two"
     )
@@ -483,6 +487,8 @@ def main() -> None:
         args.with_mp = True
     if args.reference:
         use_reference(args)
+    if args.mode is None:
+        args.mode = ["identity"]
     for variant in args.runs:
         variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,10 +16,9 @@ commit=${KVCACHED_COMMIT:-e8e640638ba79f3ba7ce88d9692342d29d996e6d} # the earlie
 git_dir=${KVCACHED_GIT:-/work/.mirror/ovg-project+kvcached/repo}
 out=build/kvcached
 [ -d "$git_dir" ] || { echo "no kvcached git copy at $git_dir: set KVCACHED_GIT" >&2; exit 1; }
-git --git-dir="$git_dir" cat-file -e "$commit^{commit}" 2>/dev/null \
-  || git -C "$git_dir" cat-file -e "$commit^{commit}" \
-  || { echo "$git_dir lacks commit $commit" >&2; exit 1; }
+# A clone (with a .git inside) or a bare git directory (the mirror).
 g() { if [ -d "$git_dir/.git" ]; then git -C "$git_dir" "$@"; else git --git-dir="$git_dir" "$@"; fi; }
+g cat-file -e "$commit^{commit}" || { echo "$git_dir lacks commit $commit" >&2; exit 1; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 src=$tmp/kvcached
 # What setup.py builds and installs (its README is read as the long description), file by file from
@@ -38,10 +37,11 @@ rm -rf "$out"; mkdir -p "$out/wheels"
 tar -czf "$out/kvcached-src.tar.gz" -C "$tmp" kvcached
 echo "$commit" > "$out/COMMIT"
 # The device image's Python is 3.12 (x86_64); kvcached's pyproject asks numpy (the image has it),
-# posix_ipc and wrapt. ninja lets torch's BuildExtension compile its six files in parallel.
+# posix_ipc and wrapt (pinned: the versions checked with it here). ninja lets torch's
+# BuildExtension compile its six files in parallel.
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform any -d "$out/wheels" "wrapt>=1.15" "posix_ipc>=1.0" ninja 2>&1 | grep -v -i "location\|warn" || true
+  --platform any -d "$out/wheels" wrapt==2.5.2 posix_ipc==1.3.2 ninja==1.13.2 2>&1 | grep -v -i "location\|warn" || true
 for w in wrapt posix_ipc ninja; do
   ls "$out"/wheels/"$w"-*.whl >/dev/null 2>&1 || { echo "no $w wheel downloaded" >&2; exit 1; }
 done
