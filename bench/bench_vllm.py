@@ -81,7 +81,9 @@ is ``kv_cache_memory_bytes``) and kvasync's plugin inert. It has no budget share
 in ``two`` each kvcached engine may map up to the whole ``--two-budget`` and the table gives the
 most A + B held at once; in seed A each engine's capacity is ``--seed-budget``. kvcached says it is
 tested up to vLLM 0.24 and this is 0.26: it is run as it behaves, with the same deadlines (a hang
-is reported with its elapsed time). It is built from its own source in the call, before the first
+is reported with its elapsed time); the lines kvcached logs on patching vLLM are in the report.
+``kvcached-mp`` is untried: its import hook runs in the engine's process, so vLLM's workers
+carry its patches only when forked. It is built from its own source in the call, before the first
 kvcached engine (``bench/reference/build_kvcached.sh``, about a minute; the run's budget pays for
 it; a build already in ``--kvcached-site`` from the same commit is kept). ``--reference`` is the
 reference's call: identity (stock, kvcached; 2 rounds), release (kvcached, 2 attempts; stock's
