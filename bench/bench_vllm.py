@@ -95,7 +95,7 @@ two calls (``--mode identity release``, then ``--mode seed-a two``) give each mo
 The reference's device call (on the CPU machine first: ``bash bench/reference/pack_kvcached.sh``,
 which writes ``build/kvcached``, 0.6 MiB; and ``bash ../shared/vllm-on-device/pack.sh``). After
 the two calls that copy vLLM's ``c1`` and ``c2`` (../shared/vllm-on-device/README.md), one call
-with carry ``["build/vllm-device/c3", "build/kvcached"]`` (about 56 MiB with the tree)::
+with carry ``["build/vllm-device/c3", "build/kvcached"]`` (about 55 MiB with the tree)::
 
     bash build/vllm-device/c3/setup.sh && CC=/usr/bin/gcc CXX=/usr/bin/g++ pip install -q \
       --no-build-isolation --no-deps -e . && PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 \
