@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -475,3 +475,77 @@ def test_a_members_own_flapping_demand_under_pressure_turns_its_limit_at_most_on
     finally:
         if os.path.exists(ledger.path(share)):
             os.unlink(ledger.path(share))
+
+
+# -- the limit policy on a clock of the test's own (Note [Limit policy]) -----------------------
+
+HOLD_S = 0.3  # LimitPolicy::kRegrowHold
+
+
+def test_a_newcomer_lowers_a_members_held_minimum_at_once_not_after_the_hold() -> None:
+    # Review: `a` alone in an 8-page share has a guaranteed minimum of 8 pages (its demand, all
+    # of budget / 1). `b` joins: budget / members is 4, so is a's minimum, and a's limit must
+    # come down to its fair share at the next tick. The minimum in force fell only 300 ms after
+    # it last rose, so a's limit stayed at 8 (and the newcomer waited) for the hold.
+    limits = _core.limit_policy_trace(
+        8,
+        [
+            (0.00, True, 8, 8, 8),  # alone, wanting everything
+            (0.10, True, 4, 4, 4),  # `b` joined and wants 4: fair 4, minimum 4, equal share 4
+            (0.20, True, 4, 4, 4),
+        ],
+    )
+    assert limits == [8, 4, 4]
+
+
+def test_a_members_own_flapping_demand_holds_its_minimum_for_the_hold() -> None:
+    # The hold is for the member's own demand: a waiting request that comes and goes every 20 ms
+    # does not move the minimum in force until 300 ms after it last rose.
+    ticks = [(0.02 * i, True, 3 if i % 2 == 0 else 2, 3 if i % 2 == 0 else 1, 4) for i in range(10)]
+    limits = _core.limit_policy_trace(8, ticks)
+    assert limits == [3] * 10
+    later = _core.limit_policy_trace(8, [*ticks, (0.18 + HOLD_S + 0.01, True, 2, 1, 4)])
+    assert later[-1] == 2  # the hold lapsed: down to the fair share
+
+
+@st.composite
+def share_ticks(draw: st.DrawFn) -> tuple[int, list[tuple[float, bool, int, int, int]]]:
+    """A member's own limit and a sequence of share ticks: members come and go, demands move."""
+    own = draw(st.integers(1, 32))
+    budget = draw(st.integers(1, 64))
+    at, ticks = 0.0, []
+    for _ in range(draw(st.integers(1, 40))):
+        at += draw(st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.35]))
+        equal = budget // draw(st.integers(1, 6))
+        guaranteed = min(draw(st.integers(0, 64)), equal)
+        fair = draw(st.integers(guaranteed, max(guaranteed, budget)))
+        ticks.append((at, draw(st.booleans()), fair, guaranteed, equal))
+    return own, ticks
+
+
+@settings(max_examples=300, deadline=None)
+@given(share_ticks())
+def test_the_limit_policy_keeps_its_invariants_on_any_sequence_of_share_ticks(
+    case: tuple[int, list[tuple[float, bool, int, int, int]]],
+) -> None:
+    own, ticks = case
+    limits = _core.limit_policy_trace(own, ticks)
+    turns: list[float] = []
+    falling = False
+    for index, ((at, pressure, _fair, guaranteed, _equal), limit) in enumerate(
+        zip(ticks, limits, strict=True)
+    ):
+        assert 1 <= limit <= own
+        if pressure:  # never below the guaranteed minimum (nor 1 page)
+            assert limit >= min(own, max(1, guaranteed))
+        if index and limit < limits[index - 1]:
+            falling = True
+        elif index and limit > limits[index - 1]:
+            if falling:
+                turns.append(at)  # it fell, then (after any flat ticks) rose: a turn
+            falling = False
+    # No oscillation: a fall->rise turn at most once per hold, unless the member's own minimum
+    # rose in between (a rise to a new guaranteed minimum is served at once).
+    rises_of_minimum = sum(b[3] > a[3] for a, b in itertools.pairwise(ticks))
+    close = sum(b - a < HOLD_S for a, b in itertools.pairwise(turns))
+    assert close <= rises_of_minimum

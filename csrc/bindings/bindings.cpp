@@ -12,6 +12,7 @@
 #include "common/errors.h"
 #include "backends/fault_backend.h"
 #include "backends/host_backend.h"
+#include "pool/limit_policy.h"
 #include "pool/page_pool.h"
 
 namespace py = pybind11;
@@ -277,6 +278,25 @@ PYBIND11_MODULE(_core, m) {
              return out;
            },
            py::arg("blocks"));
+
+  // Note [Limit policy]: the limits a pool's policy puts in force for a sequence of share ticks
+  // (seconds from a fixed start, pressure, fair share, guaranteed minimum, equal share; pages),
+  // so tests can check the policy's bounds on a clock of their own.
+  m.def("limit_policy_trace",
+        [](int64_t limit_pages,
+           const std::vector<std::tuple<double, bool, int64_t, int64_t, int64_t>>& ticks) {
+          LimitPolicy policy(limit_pages, 0, 0);
+          const auto start = LimitPolicy::Clock::time_point{} + std::chrono::hours(1);
+          std::vector<int64_t> limits;
+          for (const auto& [at_s, pressure, fair, guaranteed, equal] : ticks) {
+            const auto now = start + std::chrono::duration_cast<LimitPolicy::Clock::duration>(
+                                         std::chrono::duration<double>(at_s));
+            policy.set_share(pressure, fair, guaranteed, equal, now);
+            limits.push_back(policy.limit());
+          }
+          return limits;
+        },
+        py::arg("limit_pages"), py::arg("ticks"));
 
   m.def("spin_holding_gil",
         [](PoolHandle& pool, int64_t reserve_pages, double timeout_s) {

@@ -888,6 +888,7 @@ ShareMember::Fair ShareMember::fair_share() const {
   out.pressure = r.other_blocked() || (short_of_budget && r.others_unmet() > 0);
   out.fair = r.fair_of[r.self] / page_bytes_;
   out.guaranteed = std::min(r.demand_of[r.self], r.budget / r.n) / page_bytes_;
+  out.equal_share = r.budget / r.n / page_bytes_;
   return out;
 }
 

@@ -364,6 +364,7 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
     bool pressure = false;   // another member is blocked, or the share short and another unmet
     int64_t fair = -1;       // f_i in pages of this member; -1 when the share has no budget
     int64_t guaranteed = 0;  // g_i = min(d_i, budget / members) in pages
+    int64_t equal_share = 0;  // budget / members in pages (0 without a budget)
   };
   Fair fair_share() const;
   bool pressure() const { return fair_share().pressure; }

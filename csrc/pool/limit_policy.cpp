@@ -23,7 +23,7 @@ bool LimitPolicy::set_operator(int64_t pages) {
 }
 
 bool LimitPolicy::set_share(bool pressure, int64_t fair_pages, int64_t guaranteed_pages,
-                            Clock::time_point now) {
+                            int64_t equal_share_pages, Clock::time_point now) {
   pressure_ = pressure;
   const int64_t target = pressure && fair_pages >= 0 ? std::max<int64_t>(1, fair_pages) : kNoCap;
   if (target < share_cap_) {
@@ -44,6 +44,10 @@ bool LimitPolicy::set_share(bool pressure, int64_t fair_pages, int64_t guarantee
   } else if (now - floor_raised_at_ >= kRegrowHold) {
     floor_ = guaranteed;
   }
+  // But never above budget / members: a member joining is no flap of this one's demand, and
+  // the newcomer's minimum comes out of what this one held (a held minimum of the whole budget
+  // kept it waiting for the hold).
+  if (equal_share_pages > 0) floor_ = std::min(floor_, std::max<int64_t>(1, equal_share_pages));
   if (share_cap_ != kNoCap) share_cap_ = std::max(share_cap_, floor_);
   return update();
 }

@@ -14,7 +14,10 @@
 //    never below 1 page nor below its guaranteed minimum. The cap goes down at once and up only
 //    kRegrowHold after its last step-down (the bound on oscillation), but never stays below the
 //    guaranteed minimum, which rises at once and falls only kRegrowHold after it last rose (a
-//    demand that flaps does not move it); pressure lifting removes the cap after the same hold.
+//    demand that flaps does not move it), except to budget / members, at once: the hold is for
+//    the member's own demand, and a member joining the share (or a lower budget) is no flap, so
+//    a newcomer is not kept waiting by a minimum computed for fewer members. Pressure lifting
+//    removes the cap after the same hold.
 //    The own limit is a promise: an alloc above it is refused at once (OutOfBlocks); the share
 //    cap is temporary, so a request above it waits instead (with its deadline).
 //
@@ -56,6 +59,7 @@
 //   - Under pressure, limit() >= min(own_limit(), max(1, guaranteed)) at every tick.
 //   - The share cap rises only when kRegrowHold has passed since it last fell, or to a
 //     guaranteed minimum higher than any in the last kRegrowHold.
+//   - The guaranteed minimum in force never exceeds budget / members of the current membership.
 //   - Pages held (mapping + mapped + unmapping) exceed limit() only after the limit was lowered,
 //     and then only pages that are in use or on their way out: no map is planned beyond it, a
 //     free page over it is unmapped, and the drain covers the rest.
@@ -86,9 +90,10 @@ class LimitPolicy {
   // Inputs. Each returns whether the effective limit changed.
   bool set_configured(int64_t pages);      // the user's limit (set_limit, resize)
   bool set_operator(int64_t pages);        // `kvasync limit`; -1: none (back to configured)
-  // Each share tick: pressure, the fair share (-1: no budget) and the guaranteed minimum, pages.
+  // Each share tick: pressure, the fair share (-1: no budget), the guaranteed minimum and the
+  // equal share (budget / members; what the minimum can be at most), pages.
   bool set_share(bool pressure, int64_t fair_pages, int64_t guaranteed_pages,
-                 Clock::time_point now);
+                 int64_t equal_share_pages, Clock::time_point now);
   void nowait_missed(int64_t blocks, Clock::time_point now);
   void nowait_served(int64_t blocks);
   bool hold_lapsed(Clock::time_point now);  // true once, when a hold has just lapsed

@@ -1296,7 +1296,7 @@ bool PagePool::share_tick_locked(ShareMember& member) {
   const Clock::time_point now = Clock::now();
   publish_demand(now);
   const ShareMember::Fair fair = member.fair_share();
-  const bool changed = policy_.set_share(fair.pressure, fair.fair, fair.guaranteed, now);
+  const bool changed = policy_.set_share(fair.pressure, fair.fair, fair.guaranteed, fair.equal_share, now);
   if (changed || requested >= 0) limit_changed(/*fail_above_own=*/requested >= 0);
   // Memory may have been released elsewhere in the share: serve, map, give back, refill.
   serve_waiters();
