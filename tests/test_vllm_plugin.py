@@ -848,6 +848,20 @@ def test_the_executor_decides_where_the_engines_allocator_lives_and_others_are_r
         plugin.executor_kind(executor(MultiprocExecutor, nnodes=2))
     with pytest.raises(plugin.UnsupportedVLLM, match="pipeline_parallel_size=2"):
         plugin.executor_kind(executor(MultiprocExecutor, pipeline=2))
+    # The worker's side agrees for every way vLLM takes the multiprocess executor: its name, its
+    # class, a subclass (review: the worker compared with "mp" only, so an executor class made
+    # the EngineCore open a group no worker joined, and the start failed after 60 s).
+    MyExecutor = type("MyExecutor", (MultiprocExecutor,), {})
+    for backend in ("mp", MultiprocExecutor, MyExecutor):
+        assert plugin.workers_in_own_processes(backend), backend
+        assert (
+            plugin.executor_kind(
+                executor(backend if isinstance(backend, type) else MultiprocExecutor)
+            )
+            == "mp"
+        )
+    for backend in ("uni", None, UniProcExecutor, "ray"):
+        assert not plugin.workers_in_own_processes(backend), backend
 
 
 @pytest.mark.gpu

@@ -414,6 +414,20 @@ def executor_kind(executor: Any) -> str:
     )
 
 
+def workers_in_own_processes(distributed_executor_backend: Any) -> bool:
+    """Whether a worker with this ``parallel_config.distributed_executor_backend`` runs in a
+    process of its own (vLLM's multiprocess executor, named ``"mp"`` or given as its class or a
+    subclass), as ``executor_kind`` says ``"mp"`` in the EngineCore: the two sides must agree, or
+    the EngineCore's group waits for ranks that never join.
+    """
+    if distributed_executor_backend == "mp":
+        return True
+    if isinstance(distributed_executor_backend, type):
+        names = [cls.__name__ for cls in distributed_executor_backend.__mro__]
+        return "MultiprocExecutor" in names
+    return False
+
+
 def _open_engine_for_workers(executor: Any, kv_cache_configs: Any, settings: PluginSettings) -> Any:
     """Opens the EngineCore's allocator for workers in their own processes (Note [Page ids
     across processes and ranks]) and starts taking its null block; returns the holder."""
@@ -458,7 +472,7 @@ def _patch_worker(
     from ._worker import allocate_kv_cache_tensors
 
     def allocate_tensors(kv_cache_config: Any, device: Any, vllm_config: Any, **layers: Any) -> Any:
-        if vllm_config.parallel_config.distributed_executor_backend == "mp":
+        if workers_in_own_processes(vllm_config.parallel_config.distributed_executor_backend):
             # A worker process: the EngineCore's allocator decides, this rank maps.
             from ._ranks import rank_kv_cache_tensors
 
