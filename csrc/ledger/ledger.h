@@ -79,7 +79,8 @@
 //     never stays below min(own limit, g_i) meanwhile, where the g_i in force rises at once
 //     but falls only kRegrowHold after it last rose (an engine's demand, and g_i with it, flaps
 //     from loop to loop; followed flap by flap it lifted the limit 37 times in 1.5 s past the
-//     hold: tests/test_share_policy.py). So the limit turns from falling to rising at most once
+//     hold: tests/test_share_policy.py), except to B / n at once: a member joining is no flap,
+//     and a minimum held from fewer members would keep the newcomer waiting. So the limit turns from falling to rising at most once
 //     per kRegrowHold (300 ms), unless the member's own g_i reaches a new peak within the hold
 //     (its demand growing, not flapping), and pages a member gave back stay with the
 //     member entitled to them at least that long (the grants' rule above keeps them from it
