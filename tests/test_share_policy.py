@@ -468,6 +468,9 @@ def test_a_members_own_flapping_demand_under_pressure_turns_its_limit_at_most_on
                 f"the closest {min(gaps):.3f} s apart: {values}"
             )
             assert min(values) >= 2, values  # never below what it holds in use (its demand)
+            # And the scenario happened: the pressure held `a` below the budget (with no turn at
+            # all, the bound above would hold vacuously).
+            assert min(values) < BUDGET_PAGES, f"`a` was never held down: {values}"
             a.free(held_a)
             waiter.join(timeout=run_s + 5.0)
             assert not waiter.is_alive() and not waiter_error, waiter_error
