@@ -70,6 +70,18 @@ def pages_of(blocks: int) -> int:
     return math.ceil(blocks / BLOCKS_PER_PAGE)
 
 
+def budget_share_config(share: str) -> kvasync.Config:
+    """A member of ``share`` (host backend, no reserve) with the share's budget of 8 pages."""
+    return kvasync.Config(
+        backend="host",
+        max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
+        page_size=PAGE_SIZE,
+        reserve_pages=(0, 0),
+        share=share,
+        device_budget=BUDGET_PAGES * PAGE_BYTES,
+    )
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -356,14 +368,7 @@ def test_a_flapping_demand_raises_a_members_limit_at_most_once_per_regrow_hold()
     # without the hold `a`'s limit would fall and rise with every flap; with it, it rises at most
     # once per kRegrowHold (300 ms), and never falls below min(demand, budget / members) = 4.
     share = f"test-{uuid.uuid4().hex[:12]}"
-    config = kvasync.Config(
-        backend="host",
-        max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
-        page_size=PAGE_SIZE,
-        reserve_pages=(0, 0),
-        share=share,
-        device_budget=BUDGET_PAGES * PAGE_BYTES,
-    )
+    config = budget_share_config(share)
     run_s, flap_s, hold_s = 1.5, 0.02, 0.3
     try:
         with (
@@ -406,14 +411,7 @@ def test_a_members_own_flapping_demand_under_pressure_turns_its_limit_at_most_on
     # once, but it turns from falling to rising at most once per kRegrowHold (300 ms): a
     # minimum that rises with a flapping demand must not lift it past the hold.
     share = f"test-{uuid.uuid4().hex[:12]}"
-    config = kvasync.Config(
-        backend="host",
-        max_blocks=BUDGET_PAGES * BLOCKS_PER_PAGE,
-        page_size=PAGE_SIZE,
-        reserve_pages=(0, 0),
-        share=share,
-        device_budget=BUDGET_PAGES * PAGE_BYTES,
-    )
+    config = budget_share_config(share)
     run_s, flap_s, hold_s = 1.5, 0.02, 0.3
     try:
         with (

@@ -68,25 +68,16 @@
 #include "group/group_backend.h"
 #include "group/rank_mapper.h"
 #include "pool/page_pool.h"
+#include "stress_check.h"
 
 namespace {
 
 using kvasync::BackendResult;
 using kvasync::Clock;
-using Seconds = std::chrono::duration<double>;
+using stress::fail;
+using stress::monotonic_s;
+using stress::Seconds;
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "group_stress: FAILED: %s\n", what.c_str());
-  std::fflush(stderr);
-  std::_Exit(1);
-}
-
-#define CHECK(cond, what)                                               \
-  do {                                                                  \
-    if (!(cond)) fail(std::string(#cond) + " -- " + std::string(what)); \
-  } while (0)
-
-double monotonic_s() { return Seconds(Clock::now().time_since_epoch()).count(); }
 Clock::time_point after(double s) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(s));
 }

@@ -66,26 +66,17 @@
 #include "backends/host_backend.h"
 #include "ledger/ledger.h"
 #include "pool/page_pool.h"
+#include "stress_check.h"
 #include "common/wakeup.h"
 
 namespace {
 
 using kvasync::BackendResult;
 using kvasync::Clock;
-using Seconds = std::chrono::duration<double>;
+using stress::fail;
+using stress::monotonic_s;
+using stress::Seconds;
 
-[[noreturn]] void fail(const std::string& what) {
-  std::fprintf(stderr, "pool_stress: FAILED: %s\n", what.c_str());
-  std::fflush(stderr);
-  std::_Exit(1);
-}
-
-#define CHECK(cond, what)                                                   \
-  do {                                                                      \
-    if (!(cond)) fail(std::string(#cond) + " -- " + std::string(what));     \
-  } while (0)
-
-double monotonic_s() { return Seconds(Clock::now().time_since_epoch()).count(); }
 
 // Sanitizers slow everything down several times: generous bounds, still bounds.
 constexpr double kCallBound = 2.0;  // no pool call but close may take this long: none waits

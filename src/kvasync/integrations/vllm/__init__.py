@@ -168,34 +168,22 @@ BLOCK_POOL = Seam(
 )
 # The coordinator's count of the blocks an allocation needs, which the pool is told (Note [Count
 # only what is mapped] in _pool).
+_COUNT_PARAMETERS = (
+    "self",
+    "request_id",
+    "num_tokens",
+    "new_computed_blocks",
+    "num_encoder_tokens",
+    "total_computed_tokens",
+    "num_local_computed_tokens",
+    "num_tokens_main_model",
+    "apply_admission_cap",
+)
 COORDINATOR_COUNT = Seam(
     "vllm.v1.core.kv_cache_coordinator",
     "KVCacheCoordinator.get_num_blocks_to_allocate",
-    (
-        "self",
-        "request_id",
-        "num_tokens",
-        "new_computed_blocks",
-        "num_encoder_tokens",
-        "total_computed_tokens",
-        "num_local_computed_tokens",
-        "num_tokens_main_model",
-        "apply_admission_cap",
-    ),
-    also=(
-        (  # 0.33
-            "self",
-            "request_id",
-            "num_tokens",
-            "new_computed_blocks",
-            "num_encoder_tokens",
-            "total_computed_tokens",
-            "num_local_computed_tokens",
-            "num_tokens_main_model",
-            "apply_admission_cap",
-            "prefill_end",
-        ),
-    ),
+    _COUNT_PARAMETERS,
+    also=((*_COUNT_PARAMETERS, "prefill_end"),),  # 0.33
 )
 # The methods of vLLM's BlockPool and FreeKVCacheBlockQueue that the pool overrides or calls.
 POOL_METHODS = (
