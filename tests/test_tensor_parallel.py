@@ -296,6 +296,32 @@ def test_tensor_parallel_rank_failure_unmaps_what_the_others_mapped(
     close_all(pool, group)
 
 
+def test_tensor_parallel_rank_slower_than_the_unmap_timeout_is_reported_not_silent(
+    name: str, processes: list[Process]
+) -> None:
+    # The pool goes on as if a rank's late (or failed) unmap had happened: only the local unmap's
+    # outcome counts (group_stress: blocks were handed out on pages the others had unmapped).
+    # But that rank's device keeps memory the share no longer counts, and nothing said so.
+    group = open_group(name, 2, local_backend(), map_local=False, unmap_timeout=0.3)
+    processes += start_ranks(name, 2)
+    group.wait_ready(EVENT_TIMEOUT)
+    pool = open_pool(group)
+    status, blocks, _message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_OK
+    processes[1].ask("delay 1.5")  # its next unmap outlives the scheduler's 0.3 s
+
+    pool.free(blocks)
+    assert wait_completion(pool, pool.trim(time.monotonic() + 10.0), 10.0)[0] == MAP_OK
+
+    last_error = pool.stats()["last_error"]
+    assert f"rank 1 (pid {processes[1].pid}), alive, did not finish unmap page 0" in last_error
+    assert "keeps those pages mapped" in last_error
+    wait_rank_pages(processes[0], [])
+    wait_rank_pages(processes[1], [])  # the slow unmap ran to its end all the same
+    processes[1].ask("delay 0")
+    close_all(pool, group)
+
+
 def test_tensor_parallel_slow_rank_delays_the_alloc_within_its_deadline(
     name: str, processes: list[Process]
 ) -> None:

@@ -25,9 +25,15 @@ namespace kvasync {
 struct BackendResult {
   bool ok = true;
   std::string error;  // "<ERROR_NAME>: what failed", empty when ok
+  // Done, with something the pool should report (its stats' last_error) though the call did
+  // what the pool relies on: a tensor-parallel rank that kept pages the others unmapped.
+  std::string warning;
 
   static BackendResult success() { return {}; }
   static BackendResult failure(std::string error) { return {false, std::move(error)}; }
+  static BackendResult success_with_warning(std::string warning) {
+    return {true, {}, std::move(warning)};
+  }
 };
 
 class Backend {

@@ -448,8 +448,18 @@ BackendResult GroupBackend::unmap(int64_t first, int64_t count) {
   const auto deadline = group_detail::deadline_after(unmap_timeout_s_);
   const std::string what = "unmap " + group_detail::describe_pages(first, count);
   std::vector<uint64_t> seqs;
-  group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
-  group_->wait_acks(seqs, deadline, unmap_timeout_s_, what, true);
+  const SchedulerGroup::Outcome posted =
+      group_->post_all(GroupJobKind::kUnmap, first, count, seqs);
+  const SchedulerGroup::Outcome acked =
+      group_->wait_acks(seqs, deadline, unmap_timeout_s_, what, true);
+  // Not a failure (above), but not silent either: the rank's device keeps memory the share no
+  // longer counts, until a later unmap of those pages or the rank's leave.
+  const SchedulerGroup::Outcome& lost = !posted.ok ? posted : acked;
+  if (!lost.ok) {
+    return BackendResult::success_with_warning(
+        std::string(kErrorName) + ": " + lost.error +
+        "; that rank keeps those pages mapped until a later unmap of them or its leave");
+  }
   return BackendResult::success();
 }
 

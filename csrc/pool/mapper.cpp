@@ -82,6 +82,7 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
     }
   }
   BackendResult first_error;
+  std::string warning;  // the last run's (BackendResult::warning): reported, not a failure
   size_t start = 0;
   std::vector<std::pair<int64_t, int64_t>> done;
   // Allocated before the first backend call: out of memory after it would leave the runs done
@@ -107,6 +108,8 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
       }
       if (first_error.ok) first_error = result;
       for (int64_t page = first; page < first + count; ++page) still_mapped.push_back(page);
+    } else if (!result.warning.empty()) {
+      warning = std::move(result.warning);
     }
     done.emplace_back(first, count);
     start = end;
@@ -119,6 +122,7 @@ BackendResult Mapper::run_job(Backend& backend, const Job& job,
       return BackendResult::success();
     });
   }
+  if (first_error.ok && !warning.empty()) return BackendResult::success_with_warning(warning);
   return first_error;
 }
 

@@ -1006,6 +1006,8 @@ void PagePool::finish_job(const Job& job, const BackendResult& result,
   if (!result.ok) {
     ++map_errors_;
     last_error_ = result.error;
+  } else if (!result.warning.empty()) {
+    last_error_ = result.warning;
   }
   if (job.kind == JobKind::kUnmap) {
     // Runs the backend failed to unmap are still mapped: they go back to the reserve. The

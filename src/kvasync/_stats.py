@@ -45,6 +45,8 @@ class AllocatorStats:
     page boundary (Note [Blocks across page boundaries] in _layout.py): never handed out, they
     are the capacity the geometry loses, ``unusable_bytes`` of it across all ranges.
     ``memory_limit_blocks`` is what the memory limit promises: any alloc up to it is served.
+    ``last_error`` is the backend's last error (a failed map or unmap), or its last warning: a
+    tensor-parallel rank that kept pages the others unmapped (the unmap went through here).
     """
 
     num_blocks: int
