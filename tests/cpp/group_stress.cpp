@@ -104,22 +104,17 @@ std::atomic<uint64_t> event_clock{1};
 // -----------------------------------------------------------------------------------------------
 // Device: the host backend of one device (a rank's, or the scheduler's), watched.
 
-class Device final : public kvasync::Backend {
+class Device final : public stress::WrappingBackend<kvasync::HostBackend> {
  public:
   Device(std::string who, int num_ranges, int64_t num_pages, uint64_t seed)
-      : who_(std::move(who)),
-        inner_(std::make_shared<kvasync::HostBackend>(num_ranges, num_pages, kPageSize)),
+      : WrappingBackend(std::make_shared<kvasync::HostBackend>(num_ranges, num_pages, kPageSize)),
+        who_(std::move(who)),
         held_(static_cast<size_t>(num_pages), 0),
         mapped_at_(static_cast<size_t>(num_pages), 0),
         unmapped_at_(static_cast<size_t>(num_pages), 0),
         rng_(seed) {}
 
   const char* name() const override { return "device"; }
-  int64_t page_size() const override { return inner_->page_size(); }
-  int num_ranges() const override { return inner_->num_ranges(); }
-  int64_t num_pages() const override { return inner_->num_pages(); }
-  uintptr_t range_base(int range) const override { return inner_->range_base(range); }
-  const char* out_of_memory_name() const override { return "ENOMEM"; }
 
   BackendResult map(int64_t first, int64_t count) override { return call(true, first, count); }
   BackendResult unmap(int64_t first, int64_t count) override { return call(false, first, count); }
@@ -180,7 +175,6 @@ class Device final : public kvasync::Backend {
   }
 
   std::string who_;
-  std::shared_ptr<kvasync::HostBackend> inner_;
   std::mutex mutex_;  // the vectors and rng_
   std::vector<uint8_t> held_;
   std::vector<uint64_t> mapped_at_, unmapped_at_;
@@ -214,21 +208,15 @@ struct Held {
 class Round;
 
 // The pool's backend: the group's, with every answer checked.
-class Observer final : public kvasync::Backend {
+class Observer final : public stress::WrappingBackend<kvasync::GroupBackend> {
  public:
   Observer(std::shared_ptr<kvasync::GroupBackend> inner, Round& round)
-      : inner_(std::move(inner)), round_(round) {}
+      : WrappingBackend(std::move(inner)), round_(round) {}
   const char* name() const override { return inner_->name(); }
-  int64_t page_size() const override { return inner_->page_size(); }
-  int num_ranges() const override { return inner_->num_ranges(); }
-  int64_t num_pages() const override { return inner_->num_pages(); }
-  uintptr_t range_base(int range) const override { return inner_->range_base(range); }
-  const char* out_of_memory_name() const override { return inner_->out_of_memory_name(); }
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
 
  private:
-  std::shared_ptr<kvasync::GroupBackend> inner_;
   Round& round_;
 };
 

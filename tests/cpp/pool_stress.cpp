@@ -95,17 +95,12 @@ Counts counts;
 // -----------------------------------------------------------------------------------------------
 // TrackingBackend: the host backend, watched.
 
-class TrackingBackend final : public kvasync::Backend {
+class TrackingBackend final : public stress::WrappingBackend<kvasync::HostBackend> {
  public:
   TrackingBackend(std::shared_ptr<kvasync::HostBackend> inner, uint64_t seed)
-      : inner_(std::move(inner)), mapped_(inner_->num_pages(), 0), rng_(seed) {}
+      : WrappingBackend(std::move(inner)), mapped_(inner_->num_pages(), 0), rng_(seed) {}
 
   const char* name() const override { return "tracking"; }
-  int64_t page_size() const override { return inner_->page_size(); }
-  int num_ranges() const override { return inner_->num_ranges(); }
-  int64_t num_pages() const override { return inner_->num_pages(); }
-  uintptr_t range_base(int range) const override { return inner_->range_base(range); }
-  const char* out_of_memory_name() const override { return "ENOMEM"; }
 
   BackendResult map(int64_t first, int64_t count) override { return call(true, first, count); }
   BackendResult unmap(int64_t first, int64_t count) override { return call(false, first, count); }
@@ -246,7 +241,6 @@ class TrackingBackend final : public kvasync::Backend {
     probe.join();
   }
 
-  std::shared_ptr<kvasync::HostBackend> inner_;
   std::weak_ptr<kvasync::PagePool> pool_;
   std::mutex mutex_;  // mapped_, rng_, pool_
   std::vector<uint8_t> mapped_;

@@ -5,9 +5,12 @@
 #include <errno.h>  // program_invocation_short_name (glibc)
 
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "pool/page_pool.h"
 
@@ -20,6 +23,22 @@ using Seconds = std::chrono::duration<double>;
   std::fflush(stderr);
   std::_Exit(1);
 }
+
+// A harness's backend over another: the geometry is the inner one's; the harness overrides map
+// and unmap (and its name) to watch or fault them.
+template <class Inner>
+class WrappingBackend : public kvasync::Backend {
+ public:
+  explicit WrappingBackend(std::shared_ptr<Inner> inner) : inner_(std::move(inner)) {}
+  int64_t page_size() const override { return inner_->page_size(); }
+  int num_ranges() const override { return inner_->num_ranges(); }
+  int64_t num_pages() const override { return inner_->num_pages(); }
+  uintptr_t range_base(int range) const override { return inner_->range_base(range); }
+  const char* out_of_memory_name() const override { return inner_->out_of_memory_name(); }
+
+ protected:
+  std::shared_ptr<Inner> inner_;
+};
 
 // The pool's clock in seconds, as its deadlines take them.
 inline double monotonic_s() { return Seconds(kvasync::Clock::now().time_since_epoch()).count(); }
