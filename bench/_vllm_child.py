@@ -263,12 +263,14 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, float]:
         "model": spec["model_dir"],
         "load_format": "dummy",
         "skip_tokenizer_init": True,
-        "enforce_eager": True,
+        # CUDA graphs are captured once at start, before any request: the plugin must not map
+        # or unmap in a way that breaks a capture (--cuda-graphs tries it).
+        "enforce_eager": not spec.get("cuda_graphs", False),
         "gpu_memory_utilization": spec["utilization"],
         "max_model_len": spec["max_model_len"],
         "dtype": "bfloat16",
         "seed": 0,
-        "attention_config": {"backend": "TRITON_ATTN"},
+        "attention_config": {"backend": spec.get("attention", "TRITON_ATTN")},
         "distributed_executor_backend": spec["executor"],
         "disable_log_stats": not spec.get("stats", False),
     }

@@ -380,6 +380,8 @@ class Run:
             "executor": executor,
             "utilization": extra.pop("utilization", 0.3),
             "max_model_len": extra.pop("max_model_len", 2048),
+            "attention": self.args.attention,
+            "cuda_graphs": self.args.cuda_graphs,
             **extra,
         }
 

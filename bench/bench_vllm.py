@@ -4,10 +4,12 @@ start time, memory over time, seed A, a neighbour's release, two engines on one 
 Every engine is its own process (``--child``, bench/_vllm_child.py) on a Llama-architecture 1B
 config with random weights (no weights can be fetched; every engine gets the same seed), greedy,
 token-id prompts that share no prefix, ``enforce_eager``, TRITON_ATTN, bf16,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``. ``--executor uni|mp`` is vLLM's
-``distributed_executor_backend`` for every engine ("mp": the worker in its own process). The
-driver holds a deadline on every engine start, request batch and shutdown (bench/_vllm_procs.py):
-an engine that hangs is reported as a hang with its elapsed time and killed, never waited out.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``. ``--attention FLASH_ATTN`` and ``--cuda-graphs`` (CUDA
+graphs captured at start, no ``enforce_eager``) change that for every engine of the run.
+``--executor uni|mp`` is vLLM's ``distributed_executor_backend`` for every engine ("mp": the
+worker in its own process). The driver holds a deadline on every engine start, request batch
+and shutdown (bench/_vllm_procs.py): an engine that hangs is reported as a hang with its elapsed
+time and killed, never waited out.
 
 Modes (``--mode``, several allowed; ``--all`` runs identity with mp, two, seed-a, release in
 that order within ``--budget-s``):
@@ -415,6 +417,17 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=520.0, help="the whole run's deadline")
     parser.add_argument("--executor", choices=("uni", "mp"), default="uni")
     parser.add_argument(
+        "--attention",
+        choices=("TRITON_ATTN", "FLASH_ATTN"),
+        default="TRITON_ATTN",
+        help="vLLM's attention backend, for every engine",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture CUDA graphs (no enforce_eager), for every engine",
+    )
+    parser.add_argument(
         "--runs",
         nargs="+",
         default=["stock", "kvasync", "stock", "kvasync"],
@@ -496,9 +509,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # What is printed is also kept (a device call returns only the end of the output).
     sys.stdout = Tee(sys.stdout, (args.out / "report.md").open("w"))
+    graphs = "CUDA graphs" if args.cuda_graphs else "eager"
+    print(f"engines: {args.attention}, {graphs}, executor {args.executor}", flush=True)
     summary: dict[str, Any] = {
         "argv": sys.argv[1:],
         "executor": args.executor,
+        "attention": args.attention,
+        "cuda_graphs": args.cuda_graphs,
         "budget_s": args.budget_s,
         "modes": {},
     }
