@@ -19,7 +19,7 @@ import torch
 from kvasync import Config, KVLayout, OutOfBlocks, _core, open_allocator_sync
 from kvasync.integrations import vllm as plugin
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
-from kvasync.integrations.vllm._pool import counting_demand, make_block_pool_class
+from kvasync.integrations.vllm._pool import Demand, counting_demand, make_block_pool_class
 from kvasync.integrations.vllm._settings import read_settings
 
 try:
@@ -251,15 +251,15 @@ def test_cached_blocks_stay_mapped_for_prefix_reuse_within_their_bound(
         pool.cached_block_hash_to_block.insert(key, block)
     pool.free_blocks(blocks)
     # Five keep their entry (the last freed, as vLLM evicts the first freed first).
-    assert pool.free_block_queue.num_free_blocks == 5
-    assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == [
+    assert pool.cached_free_queue.num_free_blocks == 5
+    assert [b.block_id for b in pool.cached_free_queue.get_all_free_blocks()] == [
         b.block_id for b in blocks[3:]
     ]
     assert kv.stats().used_blocks == 1 + 5
     assert len(pool.cached_block_hash_to_block) == 5
     # A hit takes a cached block back without the allocator.
     pool.touch([blocks[7]])
-    assert pool.free_block_queue.num_free_blocks == 4
+    assert pool.cached_free_queue.num_free_blocks == 4
     assert pool.reset_prefix_cache() is False  # block 7 is in use
     pool.free_blocks([blocks[7]])
     assert pool.reset_prefix_cache() is True
@@ -290,13 +290,13 @@ def test_an_uncounted_burst_beyond_the_reserve_waits_for_pages_rather_than_evict
     cached = [block for _ in range(20) for block in pool.get_new_blocks(10)]
     cache_blocks(pool, cached)
     pool.free_blocks(cached)
-    assert pool.free_block_queue.num_free_blocks == 200
+    assert pool.cached_free_queue.num_free_blocks == 200
     burst = 150  # more than the reserve keeps mapped, fewer than the queue holds
     wait_until(lambda: kv.stats().free_blocks < burst, "a reserve smaller than the burst")
     taken = pool.get_new_blocks(burst)
     assert len(taken) == burst
     assert not {b.block_id for b in taken} & {b.block_id for b in cached}
-    assert pool.free_block_queue.num_free_blocks == 200
+    assert pool.cached_free_queue.num_free_blocks == 200
     assert len(pool.cached_block_hash_to_block) == 200
     assert kv.stats().used_blocks == 1 + 200 + burst
 
@@ -317,10 +317,80 @@ def test_cached_prefixes_are_evicted_first_freed_first_for_what_the_limit_lacks(
     taken = pool.get_new_blocks(50)
     evicted = 50 - room
     assert [b.block_id for b in taken[room:]] == [b.block_id for b in cached[:evicted]]
-    assert pool.free_block_queue.num_free_blocks == 100 - evicted
+    assert pool.cached_free_queue.num_free_blocks == 100 - evicted
     assert len(pool.cached_block_hash_to_block) == 100 - evicted
     assert all(b.block_hash is None and b.ref_cnt == 1 for b in taken)
     assert kv.stats().mapped_pages <= 8
+
+
+@needs_vllm
+def test_free_block_queue_counts_every_free_mapped_block_when_read(
+    engines: list[EngineKV],
+) -> None:
+    # vLLM's own tests hold free_block_queue and read its count after allocations and frees, as
+    # in stock vLLM, where it is every free block.
+    engine = plugin.host_engine(64, read_settings({"KVASYNC_VLLM": "1"}))  # all pages mapped
+    engines.append(engine)
+    pool = make_pool(engine, caching=True)
+    queue = pool.free_block_queue
+    assert queue.num_free_blocks == 63  # all but the null block
+    blocks = pool.get_new_blocks(10)
+    assert queue.num_free_blocks == 53
+    cache_blocks(pool, blocks[:4])
+    pool.free_blocks(blocks)  # 4 keep their entry in vLLM's queue, 6 go back to the allocator
+    assert pool.cached_free_queue.num_free_blocks == 4
+    assert queue.num_free_blocks == 63
+    pool.touch([blocks[0]])  # a prefix hit: vLLM's touch takes it out through the view
+    assert pool.cached_free_queue.num_free_blocks == 3
+    assert queue.num_free_blocks == 62 == pool.get_num_free_blocks()
+    # Blocks promised to a counted allocation are still free to vLLM until it takes them.
+    pool.expect(Demand(5, running=False))
+    pool.get_num_free_blocks()
+    assert pool.num_pocket_blocks == 5
+    assert queue.num_free_blocks == 62
+    pool.get_new_blocks(5)
+    assert queue.num_free_blocks == 57
+    # What the view cannot show faithfully is refused, saying why, never answered partly.
+    with pytest.raises(NotImplementedError, match="order"):
+        queue.get_all_free_blocks()
+    with pytest.raises(NotImplementedError, match="get_new_blocks"):
+        queue.popleft_n(1)
+    with pytest.raises(NotImplementedError, match="linked list"):
+        _ = queue.fake_free_list_head
+
+
+@needs_vllm
+def test_free_block_queue_counts_no_unmapped_room(engines: list[EngineKV]) -> None:
+    engine = open_engine(engines, 256)  # a reserve of 1-2 pages: most blocks unmapped
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    taken = pool.get_new_blocks(40)
+    pool.free_blocks(taken[20:])
+    wait_until(lambda: kv.stats().inflight_pages == 0, "the mapper settled")
+    stats = kv.stats()
+    assert stats.mapped_pages * BLOCKS_PER_PAGE < 256
+    # Mapped blocks less those in use (the null block and 20): free and mapped now.
+    assert pool.free_block_queue.num_free_blocks == stats.mapped_pages * BLOCKS_PER_PAGE - 21
+
+
+@needs_vllm
+def test_freed_and_unused_blocks_are_handed_out_again_in_vllms_order(
+    engines: list[EngineKV],
+) -> None:
+    # vLLM puts the blocks it frees without a prefix-cache entry at the head of its queue, first
+    # given first out; blocks counted for an allocation but not taken never left that queue.
+    engine = plugin.host_engine(64, read_settings({"KVASYNC_VLLM": "1"}))  # all pages mapped
+    engines.append(engine)
+    pool = make_pool(engine, caching=True)
+    first = pool.get_new_blocks(3)
+    assert [b.block_id for b in first] == [1, 2, 3]
+    pool.expect(Demand(4, running=False))
+    pool.get_num_free_blocks()
+    second = pool.get_new_blocks(1)  # one of the four counted: three stay in the pocket
+    assert [b.block_id for b in second] == [4] and pool.num_pocket_blocks == 3
+    pool.free_blocks([second[0], *reversed(first)])  # as vLLM frees: the last block first
+    assert pool.num_pocket_blocks == 0  # idle
+    assert [b.block_id for b in pool.get_new_blocks(8)] == [4, 3, 2, 1, 5, 6, 7, 8]
 
 
 def make_request(request_id: str, tokens: int, first_token: int = 0) -> Any:
@@ -414,7 +484,7 @@ def test_requests_grow_and_shrink_through_vllms_manager(
         manager.free(request)
     # Prompts of distinct tokens: their full blocks are cached (no bound given), the partial
     # last blocks went back.
-    assert kv.stats().used_blocks == 1 + manager.block_pool.free_block_queue.num_free_blocks
+    assert kv.stats().used_blocks == 1 + manager.block_pool.cached_free_queue.num_free_blocks
     assert manager.block_pool.num_pocket_blocks == 0  # idle: nothing promised is kept
     assert manager.reset_prefix_cache()
     assert kv.stats().used_blocks == 1
@@ -471,20 +541,20 @@ def test_a_burst_beyond_the_reserve_is_a_miss_that_maps_ahead_and_evicts_no_pref
     manager = make_manager(monkeypatch, engine, caching=True)
     pool, kv = manager.block_pool, engine.allocator
     fill_prefix_cache(manager, 10, 10)
-    assert pool.free_block_queue.num_free_blocks == 100
+    assert pool.cached_free_queue.num_free_blocks == 100
     burst = 150  # more than the reserve keeps mapped, fewer than the queue holds
     wait_until(lambda: kv.stats().free_blocks < burst, "a reserve smaller than the burst")
     faults.hang()  # the mapper cannot map: a step that waited for it would not return
     request = make_request("burst", burst * 16, first_token=50_000)
     assert allocate_in_thread(manager, request, burst * 16) is None  # a miss, at once
     wait_until(lambda: faults.hung_maps > 0, "the mapper mapping ahead for the miss")
-    assert pool.free_block_queue.num_free_blocks == 100  # no prefix dropped for a wait
+    assert pool.cached_free_queue.num_free_blocks == 100  # no prefix dropped for a wait
     assert len(pool.cached_block_hash_to_block) == 100
     assert pool.num_map_ahead_misses >= 1
     faults.release()
     # The next step finds the pages the miss asked for, and still evicts nothing.
     allocate_when_mapped(manager, request, burst * 16)
-    assert pool.free_block_queue.num_free_blocks == 100
+    assert pool.cached_free_queue.num_free_blocks == 100
     assert kv.stats().used_blocks == 1 + 100 + burst
 
 
@@ -507,7 +577,7 @@ def test_a_running_request_takes_cached_blocks_rather_than_be_preempted_while_pa
     blocks = allocate_in_thread(manager, running, 48 * 16)
     assert blocks is not None  # not a miss: vLLM would preempt a running request for one
     mapped = 48 - pool.num_lag_evictions
-    assert pool.free_block_queue.num_free_blocks == 100 - pool.num_lag_evictions
+    assert pool.cached_free_queue.num_free_blocks == 100 - pool.num_lag_evictions
     assert 0 < pool.num_lag_evictions <= 48 and mapped >= 0
     assert len(manager.get_block_ids("running")[0]) == 64
     faults.release()

@@ -14,7 +14,11 @@ one of four places:
 - a request's: ``ref_cnt > 0``, mapped.
 
 A block without a prefix-cache entry goes back to the allocator as soon as vLLM frees it, and its
-page is unmapped as the reserve policy says. The allocator's reserve keeps the blocks of the
+page is unmapped as the reserve policy says. The allocator hands out its lowest page's free
+blocks first, and a page's last freed first; so the pool frees blocks last first: those vLLM
+frees come out again first and in its order (vLLM puts them at the head of its queue), and the
+pocket's unused blocks, given back before them, in the order they were taken, as if they had
+never left. The allocator's reserve keeps the blocks of the
 longest request, or of one step's batch, plus one per running sequence mapped and free (its low
 watermark, ``_worker``), refilled by the mapper thread in the background, so that a step's
 blocks are normally mapped before it asks.
@@ -61,6 +65,29 @@ The one promise not kept by the pocket: with mapping ahead counted as a miss, a 
 blocks outrun the reserve admits fewer requests (or, for running requests, evicts cached
 prefixes) until the mapper catches up; the worker sizes the reserve to a step so that this is
 rare.
+
+Note [What vLLM's free_block_queue shows]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+In stock vLLM ``BlockPool.free_block_queue`` holds every free block, and code outside the pool
+reads it (vLLM's tests; ``num_free_blocks`` is ``get_num_free_blocks()``). Here the queue vLLM's
+methods keep is ``cached_free_queue``, the cached free blocks alone (Note [Who owns a free
+block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free set:
+
+- ``num_free_blocks`` counts, when it is read, what ``get_num_free_blocks()`` with no demand
+  counts: the pocket, the allocator's mapped free blocks and the cached ones. Nothing is kept
+  between reads, so a reference held across allocations and frees stays true.
+- ``remove`` and ``append_n`` are the cached queue's own: vLLM's ``touch`` (a prefix hit on a
+  cached free block) and 0.33's ``unpin_blocks`` call them, and a block either takes is in that
+  queue, the end of the free set's order. ``iter_blocks_after`` walks the cached blocks: vLLM's
+  CPU offload walks it for free blocks with KV worth copying out, and only those hold any.
+- Not offered, each raising ``NotImplementedError`` that says why: ``get_all_free_blocks`` (the
+  free blocks in the order they are handed out: the pocket, then the allocator's mapped free
+  blocks, lowest page first and within a page the last freed first, then the cached queue; the
+  allocator exposes neither which of its free blocks are mapped nor their order, and guessing
+  would be a list that only looks like the state), the linked list (``fake_free_list_head``,
+  ``fake_free_list_tail``; the allocator's blocks are on no list) and the mutators that take or
+  put blocks at the head (``popleft``, ``popleft_n``, ``prepend_n``: only the pool's
+  ``get_new_blocks`` and ``free_blocks`` move blocks between the allocator and vLLM).
 """
 
 from __future__ import annotations
@@ -76,7 +103,7 @@ from typing import Any, NamedTuple
 from ..._errors import AllocTimeout, OutOfBlocks, WouldBlock
 from ._engine import EngineKV
 
-__all__ = ["Demand", "counting_demand", "make_block_pool_class"]
+__all__ = ["Demand", "FreeBlocksView", "counting_demand", "make_block_pool_class"]
 
 logger = logging.getLogger("kvasync.vllm")
 
@@ -125,6 +152,67 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
     return get_num_blocks_to_allocate
 
 
+class FreeBlocksView:
+    """``BlockPool.free_block_queue`` of kvasync's pool: every block free to vLLM, read when
+    asked (Note [What vLLM's free_block_queue shows])."""
+
+    def __init__(self, pool: Any, cached: Any) -> None:
+        # A weak reference: the pool owns its view, and a cycle would keep a dropped pool's
+        # allocator open until the garbage collector ran.
+        self._pool = weakref.ref(pool)
+        # vLLM's own callers, on the cached blocks (its queue's methods, no wrapper between).
+        self.remove: Callable[[Any], None] = cached.remove
+        self.append_n: Callable[[list[Any]], None] = cached.append_n
+        self.iter_blocks_after: Callable[..., Any] = cached.iter_blocks_after
+
+    @property
+    def num_free_blocks(self) -> int:
+        """The pocket, the allocator's mapped free blocks and vLLM's cached free blocks."""
+        pool = self._pool()
+        if pool is None:
+            raise ReferenceError("kvasync's vLLM pool: the pool of this free_block_queue is gone")
+        return int(pool._num_free_now())
+
+    def get_all_free_blocks(self) -> list[Any]:
+        raise NotImplementedError(
+            "kvasync's vLLM pool: free_block_queue.get_all_free_blocks() needs the order in "
+            "which kvasync's allocator hands out its mapped free blocks, which it does not "
+            "expose; get_num_free_blocks() and free_block_queue.num_free_blocks count them, and "
+            "cached_free_queue holds the cached free blocks in vLLM's order"
+        )
+
+    def popleft(self) -> Any:
+        raise self._moves("popleft")
+
+    def popleft_n(self, n: int) -> list[Any]:
+        raise self._moves("popleft_n")
+
+    def prepend_n(self, blocks: list[Any]) -> None:
+        raise self._moves("prepend_n")
+
+    @property
+    def fake_free_list_head(self) -> Any:
+        raise self._no_list()
+
+    @property
+    def fake_free_list_tail(self) -> Any:
+        raise self._no_list()
+
+    @staticmethod
+    def _moves(name: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"kvasync's vLLM pool: free_block_queue.{name}() is not offered; blocks move between "
+            "kvasync's allocator and vLLM only through the pool's get_new_blocks and free_blocks"
+        )
+
+    @staticmethod
+    def _no_list() -> NotImplementedError:
+        return NotImplementedError(
+            "kvasync's vLLM pool: the free blocks are not one linked list (the allocator's are "
+            "on none); cached_free_queue is the list of the cached free blocks"
+        )
+
+
 def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
     """A subclass of vLLM's ``BlockPool`` (``base``) over the engine ``find_engine()`` returns.
 
@@ -139,6 +227,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         """
 
         free_block_queue: Any
+        cached_free_queue: Any
         cached_block_hash_to_block: Any
 
         def __init__(
@@ -163,7 +252,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             queue_type = type(self.free_block_queue)
             for block in self.blocks:
                 block.prev_free_block = block.next_free_block = None
-            self.free_block_queue = queue_type([])
+            # vLLM's queue now holds only the cached free blocks; its readers get the view of
+            # every free block (Note [What vLLM's free_block_queue shows]).
+            self.cached_free_queue = queue_type([])
+            self.free_block_queue = FreeBlocksView(self, self.cached_free_queue)
             self._engine = engine
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
@@ -185,11 +277,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
 
         def get_num_free_blocks(self) -> int:
             demand, self._demand = self._demand, None
-            queued = int(self.free_block_queue.num_free_blocks)
             if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
                 self._may_evict = 0
-                return len(self._pocket) + self._mapped_free() + queued
-            return self._promise(demand, queued)
+                return self._num_free_now()
+            return self._promise(demand, int(self.cached_free_queue.num_free_blocks))
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             if num_blocks <= 0:
@@ -206,13 +297,13 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 if self.metrics_collector:
                     self.metrics_collector.on_block_allocated(block)
             rest = num_blocks - len(taken)
-            evict = min(rest, self._may_evict, int(self.free_block_queue.num_free_blocks))
+            evict = min(rest, self._may_evict, int(self.cached_free_queue.num_free_blocks))
             if evict > 0:
                 self._may_evict -= evict
                 taken.extend(self._evict(evict))
                 rest -= evict
             if rest > 0:
-                fresh = self._take(rest, self.free_block_queue.num_free_blocks)
+                fresh = self._take(rest, self.cached_free_queue.num_free_blocks)
                 for block in (blocks[i] for i in fresh):
                     block.ref_cnt = 1
                     if self.metrics_collector:
@@ -239,12 +330,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     else:
                         cached.append(block)
             # vLLM's order: the first freed is the first evicted, so cached blocks go to the tail.
-            self.free_block_queue.append_n(cached)
+            self.cached_free_queue.append_n(cached)
+            # Idle (only the blocks freed now are held): the reserve policy decides what stays
+            # mapped. The pocket goes back first, so that the blocks freed now come out first.
+            if self._pocket and self._num_running() == len(released):
+                self._give_back_pocket(0)
             self._release(released)
             for owner, blocks in others.items():
                 owner.free_blocks(blocks)
-            if self._pocket and self._num_running() == 0:
-                self._give_back_pocket(0)  # idle: the reserve policy decides what stays mapped
             self._trim_cached()
 
         def reset_prefix_cache(self) -> bool:
@@ -258,7 +351,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 )
                 return False
             self._give_back_pocket(0)
-            queue = self.free_block_queue
+            queue = self.cached_free_queue
             cached = queue.popleft_n(queue.num_free_blocks)
             for block in cached:
                 self._maybe_evict_cached_block(block)
@@ -294,8 +387,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _num_running(self) -> int:
             """Blocks requests hold (the allocator's used blocks less the null block, vLLM's
             queue and the pocket)."""
-            queued = int(self.free_block_queue.num_free_blocks)
+            queued = int(self.cached_free_queue.num_free_blocks)
             return self._kv.stats().used_blocks - 1 - queued - len(self._pocket)
+
+        def _num_free_now(self) -> int:
+            """Blocks vLLM could take now without waiting: the pocket, the allocator's mapped
+            free blocks and the cached ones in vLLM's queue."""
+            queued = int(self.cached_free_queue.num_free_blocks)
+            return len(self._pocket) + self._mapped_free() + queued
 
         def _mapped_free(self) -> int:
             """The allocator's blocks an ``alloc_nowait`` gets now: mapped, free, not draining
@@ -349,11 +448,13 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _give_back_pocket(self, keep: int) -> None:
             if len(self._pocket) > keep:
                 surplus, self._pocket = self._pocket[keep:], self._pocket[:keep]
-                self._kv.free(surplus)  # never handed to vLLM: no GPU work to wait for
+                # Never handed to vLLM (no GPU work to wait for); last first, so that they come
+                # out again in the order they were taken (Note [Who owns a free block]).
+                self._kv.free(surplus[::-1])
 
         def _evict(self, n: int) -> list[Any]:
             """``n`` blocks from vLLM's queue, first freed first, their cache entries dropped."""
-            taken: list[Any] = self.free_block_queue.popleft_n(n)
+            taken: list[Any] = self.cached_free_queue.popleft_n(n)
             self._notify_reused(taken)
             for block in taken:
                 self._maybe_evict_cached_block(block)
@@ -393,7 +494,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 return
             self._notify_reused(blocks)
             after = self._fence() if self._fence is not None else None
-            self._kv.free([b.block_id for b in blocks], after=after)
+            # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
+            # block]).
+            self._kv.free([b.block_id for b in reversed(blocks)], after=after)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
             """vLLM 0.33's ``unpin_blocks``: a block released with a watcher stays readable
@@ -405,7 +508,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _trim_cached(self) -> None:
             """Gives back cached free blocks beyond the bound, and cached and pocket blocks on
             draining pages."""
-            queue = self.free_block_queue
+            queue = self.cached_free_queue
             keep = self._keep_cached
             drain = self._drain()
             if drain is not None:
