@@ -769,3 +769,47 @@ def test_tensor_parallel_rank_maps_while_its_python_holds_the_gil(
     assert not processes[0].has_output()  # it still holds the GIL: "held" is not out yet
     assert processes[0].read(30.0)["event"] == "held"
     close_all(pool, group)
+
+
+def test_tensor_parallel_rank_holds_a_page_committed_only_once_every_rank_mapped_it(
+    name: str,
+) -> None:
+    # vLLM's worker writes the null block's page as soon as its rank may: a page a rank mapped
+    # while the group's map is pending, or failed elsewhere, is not that (a rollback unmaps it;
+    # test_vllm_plugin's worker processes faulted writing it). The two ranks are threads of this
+    # process here: rank 1's backend hangs, or fails, on cue.
+    group = open_group(name, 2, local_backend(), map_local=False, map_timeout=30.0)
+    faults = _core.FaultState()
+    ranks = [
+        RankMapper(name, 0, local_backend(), timeout=EVENT_TIMEOUT),
+        RankMapper(name, 1, _core.with_faults(local_backend(), faults), timeout=EVENT_TIMEOUT),
+    ]
+    pool = open_pool(group)
+    faults.hang()
+
+    request = pool.alloc(BLOCKS_PER_PAGE, time.monotonic() + 30.0)
+    assert isinstance(request, int)  # nothing mapped yet: a waiter
+    deadline = time.monotonic() + 10.0
+    while ranks[0].mapped_page_ids() != [0]:  # rank 0's map runs on its own thread
+        assert time.monotonic() < deadline, f"rank 0 holds {ranks[0].mapped_page_ids()}"
+        select.select([], [], [], 0.01)
+    assert ranks[0].committed_page_ids() == []  # rank 1 has not mapped: it may still be undone
+    faults.release()
+    status, blocks, message = wait_completion(pool, request, 30.0)
+
+    assert (status, message) == (MAP_OK, "")
+    assert [rank.committed_page_ids() for rank in ranks] == [[0], [0]]
+    faults.fail(1)
+    status, _blocks, message = alloc_and_wait(pool, BLOCKS_PER_PAGE, 10.0)
+    assert status == MAP_ERROR and "rank 1" in message
+    # Page 1's map was rolled back on rank 0 before the failure was reported; page 0 stays.
+    assert [(rank.mapped_page_ids(), rank.committed_page_ids()) for rank in ranks] == [
+        ([0], [0]),
+        ([0], [0]),
+    ]
+    pool.free(blocks)
+    close_all(pool, group)
+    for rank in ranks:
+        assert rank.wait_left(10.0)
+        assert rank.mapped_page_ids() == rank.committed_page_ids() == []
+        rank.close()

@@ -114,5 +114,6 @@ void bind_group(py::module_& m) {
       .def_property_readonly("rank", [](RankMapperHandle& h) { return h->rank(); })
       .def_property_readonly("mapped_pages", [](RankMapperHandle& h) { return h->mapped_pages(); })
       .def_property_readonly("jobs_done", [](RankMapperHandle& h) { return h->jobs_done(); })
-      .def("mapped_page_ids", [](RankMapperHandle& h) { return h->mapped_page_ids(); });
+      .def("mapped_page_ids", [](RankMapperHandle& h) { return h->mapped_page_ids(); })
+      .def("committed_page_ids", [](RankMapperHandle& h) { return h->committed_page_ids(); });
 }

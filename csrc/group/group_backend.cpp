@@ -358,7 +358,36 @@ SchedulerGroup::Outcome SchedulerGroup::wait_acks(const std::vector<uint64_t>& p
   }
 }
 
+void SchedulerGroup::commit(const std::vector<uint64_t>& seqs) {
+  std::lock_guard<std::mutex> lock(post_mutex_);  // the poster's words, as in post_all
+  for (int r = 0; r < num_ranks_; ++r) {
+    const uint64_t seq = seqs[static_cast<size_t>(r)];
+    RankRecord& rec = file_->ranks[r];
+    // Release: a rank that reads it sees our read of its ack, so every job up to `seq` has run.
+    if (seq > rec.committed.load(std::memory_order_relaxed)) {
+      rec.committed.store(seq, std::memory_order_release);
+    }
+  }
+}
+
 std::vector<SchedulerGroup::RankView> SchedulerGroup::ranks() const {
+  // jobs_posted and jobs_done are two words written by two processes (the poster, the rank).
+  // Read one after the other, a post and its job done in between showed more jobs done than
+  // posted (group_stress had to allow it). `head` moves only under post_mutex_, so under it the
+  // snapshot is of one moment for the posting side, and `done`, read after, is at most `head`
+  // (a rank runs only what was posted). /proc is read after, outside the lock.
+  struct Counters {
+    uint64_t posted, done;
+  };
+  std::vector<Counters> counters(static_cast<size_t>(num_ranks_));
+  {
+    std::lock_guard<std::mutex> lock(post_mutex_);
+    for (int r = 0; r < num_ranks_; ++r) {
+      const RankRecord& rec = file_->ranks[r];
+      const uint64_t posted = rec.head.load(std::memory_order_acquire);
+      counters[static_cast<size_t>(r)] = {posted, rec.done.load(std::memory_order_acquire)};
+    }
+  }
   std::vector<RankView> out;
   for (int r = 0; r < num_ranks_; ++r) {
     const RankRecord& rec = file_->ranks[r];
@@ -371,8 +400,8 @@ std::vector<SchedulerGroup::RankView> SchedulerGroup::ranks() const {
     const bool noted =
         state == static_cast<uint32_t>(RankState::kLeft) ||
         state == static_cast<uint32_t>(RankState::kRefused);
-    out.push_back({r, state_text, rec.pid.load(), rec.mapped_pages.load(), rec.head.load(),
-                   rec.done.load(),
+    const Counters& jobs = counters[static_cast<size_t>(r)];
+    out.push_back({r, state_text, rec.pid.load(), rec.mapped_pages.load(), jobs.posted, jobs.done,
                    noted ? group_detail::read_text(rec.note, sizeof rec.note) : std::string()});
   }
   return out;
@@ -423,7 +452,10 @@ BackendResult GroupBackend::map(int64_t first, int64_t count) {
       map_local_ ? local_->map(first, count) : BackendResult::success();
   SchedulerGroup::Outcome acked;
   if (posted.ok && local.ok) acked = group_->wait_acks(seqs, deadline, map_timeout_s_, what, false);
-  if (posted.ok && local.ok && acked.ok) return BackendResult::success();
+  if (posted.ok && local.ok && acked.ok) {
+    group_->commit(seqs);  // the ranks may now use these pages (Note [Tensor parallel group])
+    return BackendResult::success();
+  }
   const std::string rollback = roll_back(first, count, local.ok, deadline);
   const std::string error = !posted.ok ? posted.error
                             : !local.ok ? "the scheduler's own backend failed to " + what + ": " +

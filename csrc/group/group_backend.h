@@ -61,7 +61,7 @@ class SchedulerGroup {
     std::string state;  // "absent", "joined", "left", "refused", "dead"
     int32_t pid;
     int64_t mapped_pages;
-    uint64_t jobs_posted, jobs_done;
+    uint64_t jobs_posted, jobs_done;  // one snapshot: jobs_done <= jobs_posted (ranks())
     std::string note;
   };
   std::vector<RankView> ranks() const;
@@ -87,6 +87,10 @@ class SchedulerGroup {
   // dead or departed rank counts as done.
   Outcome wait_acks(const std::vector<uint64_t>& seqs, group_detail::Clock::time_point deadline,
                     double timeout_s, const std::string& what, bool dead_is_done);
+  // Tells every rank that the map jobs seqs[r] succeeded everywhere: the pages they mapped stay
+  // until the pool unmaps them (Note [Tensor parallel group]: committed pages). Only after
+  // wait_acks said every rank did its job.
+  void commit(const std::vector<uint64_t>& seqs);
 
  private:
   SchedulerGroup(std::string path, std::string name, int num_ranks, GroupFile* file);
@@ -103,7 +107,8 @@ class SchedulerGroup {
   // thread is in close() without it); tests/cpp/group_stress.cpp's TSan run flagged the race.
   std::atomic<bool> closed_{false};
   uint64_t device_ = 0, inode_ = 0;  // the file we created, to tell it from a newer one at path_
-  std::mutex post_mutex_;
+  // Mutable: ranks() reads each rank's `head` under it (the posting side's words stand still).
+  mutable std::mutex post_mutex_;
   uint64_t next_seq_[kGroupMaxRanks] = {};
   mutable std::mutex broken_mutex_;
   std::optional<std::string> broken_;

@@ -53,8 +53,21 @@
 //  - fork(): a group and a rank mapper belong to the process that opened them. A forked child
 //    inherits the objects (never the threads); there, closing touches nothing shared (the file,
 //    the rings, the rank's state and pages stay the parent's) and nothing is posted.
-//  - Only the scheduler writes a ring slot's job; only rank r writes rank r's results and
-//    counters. Every word shared is a lock-free std::atomic (address-free across processes).
+//  - A rank's own map is not the group's: a map that one rank did is rolled back when another
+//    rank fails it or is late, so a rank must not touch a page (vLLM's worker zeroes the null
+//    block's) because it mapped it. Once a map succeeded everywhere the scheduler stores its job's
+//    number in every rank's `committed` word (SchedulerGroup::commit); a rank holds a page
+//    *committed* (RankMapper::committed_page_ids) when the job that mapped it is at or below that
+//    word. No rollback can be pending for such a page: a rollback is posted before the map's
+//    outcome returns, so before any later commit, and a rank acks the committed job only after
+//    every job before it in its ring, the rollback included. (The vLLM plugin's worker waited for
+//    the null block's page in its own record and zeroed it; when the other rank failed that map,
+//    or was late, as ranks join under load, the rollback unmapped the page under the write and
+//    the worker died of SIGSEGV: seen with tests/test_vllm_plugin.py's rank processes and a rank
+//    that fails the map just after the other mapped it; tests/cpp/group_stress.cpp checks it.)
+//  - Only the scheduler writes a ring slot's job and a rank's `head` and `committed`; only rank r
+//    writes rank r's results and counters. Every word shared is a lock-free std::atomic
+//    (address-free across processes).
 //
 // Limitations: one pid namespace (a pid is checked in /proc); the scheduler's process needs a
 // local backend of the group's geometry for the ranges' addresses (mapped too, or with
@@ -80,7 +93,7 @@ struct GroupError : BackendError {
 };
 
 constexpr uint64_t kGroupMagic = 0x3150524730505456ULL;  // "VTP0GRP1" read little-endian
-constexpr uint32_t kGroupVersion = 1;
+constexpr uint32_t kGroupVersion = 2;  // 2: RankRecord::committed
 constexpr int kGroupMaxRanks = 16;
 constexpr int kGroupRingSlots = 32;
 constexpr int kGroupErrorBytes = 200;
@@ -108,6 +121,9 @@ struct alignas(64) RankRecord {
   std::atomic<uint64_t> head;    // the last job posted (its seq); scheduler's
   std::atomic<uint64_t> done;    // the last job run; the rank's
   std::atomic<int64_t> mapped_pages;  // pages the rank holds now; the rank's
+  // The last job whose map every rank did (the group's map succeeded); the scheduler's. Never
+  // goes down. Note [Tensor parallel group]: committed pages.
+  std::atomic<uint64_t> committed;
   char note[kGroupErrorBytes];  // why it left or was refused: written once, before `state`
   GroupSlot ring[kGroupRingSlots];
 };

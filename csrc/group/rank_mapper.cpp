@@ -110,8 +110,8 @@ RankMapper::RankMapper(std::string name, int rank, std::shared_ptr<Backend> back
       file_(file),
       scheduler_pid_(file->header.scheduler_pid.load()),
       scheduler_start_time_(file->header.scheduler_start_time.load()),
-      mapped_(new std::atomic<uint8_t>[static_cast<size_t>(backend_->num_pages())]) {
-  for (int64_t p = 0; p < backend_->num_pages(); ++p) mapped_[p].store(0);
+      mapped_by_(new std::atomic<uint64_t>[static_cast<size_t>(backend_->num_pages())]) {
+  for (int64_t p = 0; p < backend_->num_pages(); ++p) mapped_by_[p].store(0);
 }
 
 std::shared_ptr<RankMapper> RankMapper::join(const std::string& path, const std::string& name,
@@ -205,7 +205,7 @@ void RankMapper::run_job(uint64_t seq) {
                                       " out of this rank's " +
                                       std::to_string(backend_->num_pages()) + " pages");
     } else if (kind == GroupJobKind::kMap) {
-      result = map_pages(first, count);
+      result = map_pages(seq, first, count);
     } else if (kind == GroupJobKind::kUnmap) {
       result = unmap_pages(first, count);
     } else {
@@ -221,29 +221,32 @@ void RankMapper::run_job(uint64_t seq) {
   ack(file_);
 }
 
-BackendResult RankMapper::map_pages(int64_t first, int64_t count) {
+BackendResult RankMapper::map_pages(uint64_t seq, int64_t first, int64_t count) {
   // All or nothing for the job: on a failure, the runs this job mapped are unmapped again.
   std::vector<std::pair<int64_t, int64_t>> done;
   int64_t page = first;
   const int64_t end = first + count;
   while (page < end) {
-    if (mapped_[page].load()) {
+    if (held(page)) {
+      // Held still (an unmap of it failed here): the pool asks for it again because it counts
+      // it unmapped, and this job's rollback would unmap it. So its fate is this job's now.
+      mapped_by_[page].store(seq, std::memory_order_release);
       ++page;
       continue;
     }
     int64_t run_end = page + 1;
-    while (run_end < end && !mapped_[run_end].load()) ++run_end;
+    while (run_end < end && !held(run_end)) ++run_end;
     const BackendResult result =
         guarded([&] { return backend_->map(page, run_end - page); });
     if (!result.ok) {
       for (auto [f, c] : done) {
         if (!guarded([&] { return backend_->unmap(f, c); }).ok) continue;  // stays held
-        for (int64_t p = f; p < f + c; ++p) mapped_[p].store(0);
+        for (int64_t p = f; p < f + c; ++p) mapped_by_[p].store(0, std::memory_order_release);
         mapped_count_.fetch_sub(c);
       }
       return result;
     }
-    for (int64_t p = page; p < run_end; ++p) mapped_[p].store(1);
+    for (int64_t p = page; p < run_end; ++p) mapped_by_[p].store(seq, std::memory_order_release);
     mapped_count_.fetch_add(run_end - page);
     done.emplace_back(page, run_end - page);
     page = run_end;
@@ -256,16 +259,16 @@ BackendResult RankMapper::unmap_pages(int64_t first, int64_t count) {
   int64_t page = first;
   const int64_t end = first + count;
   while (page < end) {
-    if (!mapped_[page].load()) {
+    if (!held(page)) {
       ++page;
       continue;
     }
     int64_t run_end = page + 1;
-    while (run_end < end && mapped_[run_end].load()) ++run_end;
+    while (run_end < end && held(run_end)) ++run_end;
     const BackendResult result =
         guarded([&] { return backend_->unmap(page, run_end - page); });
     if (result.ok) {
-      for (int64_t p = page; p < run_end; ++p) mapped_[p].store(0);
+      for (int64_t p = page; p < run_end; ++p) mapped_by_[p].store(0, std::memory_order_release);
       mapped_count_.fetch_sub(run_end - page);
     } else if (first_error.ok) {
       first_error = result;  // keep going: free what can be freed
@@ -348,7 +351,20 @@ std::string RankMapper::left_reason() const {
 std::vector<int64_t> RankMapper::mapped_page_ids() const {
   std::vector<int64_t> out;
   for (int64_t p = 0; p < backend_->num_pages(); ++p) {
-    if (mapped_[p].load()) out.push_back(p);
+    if (held(p)) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<int64_t> RankMapper::committed_page_ids() const {
+  // `committed` first: every job up to it has run before the scheduler stored it (the rollbacks
+  // of failed maps before it included), so the record read after shows their effect; a page
+  // mapped by a later job (its outcome unknown yet) is not committed.
+  const uint64_t committed = record().committed.load(std::memory_order_acquire);
+  std::vector<int64_t> out;
+  for (int64_t p = 0; p < backend_->num_pages(); ++p) {
+    const uint64_t by = mapped_by_[p].load(std::memory_order_acquire);
+    if (by != 0 && by <= committed) out.push_back(p);
   }
   return out;
 }

@@ -8,13 +8,15 @@
 // backend (the same Backend classes the pool uses: host, cuda, faults), records the result in the
 // job's slot and wakes the scheduler. It never calls Python and never takes the GIL.
 //
-// What it holds is its own record (a bitmap of pages): a map maps only the pages of the job it
-// does not hold yet, all or nothing (on a failure it unmaps what this job mapped); an unmap
-// unmaps only what it holds. Between slices it checks that the group is still open and that the
-// scheduler's process (pid + start time) is alive; when either is not, it unmaps every page it
-// holds, marks the rank left with the reason, and ends. close() does the same from the caller's
-// thread after stopping the loop (bounded: a thread stuck in a backend call is abandoned, and
-// then the pages stay until the backend goes away with the process).
+// What it holds is its own record (per page, the job that mapped it, 0 when not held): a map maps
+// only the pages of the job it does not hold yet, all or nothing (on a failure it unmaps what
+// this job mapped); an unmap unmaps only what it holds. The job's number tells a page the
+// group's map may still roll back from a committed one (Note [Tensor parallel group]). Between
+// slices it checks that the group is still open and that the scheduler's process (pid + start
+// time) is alive; when either is not, it unmaps every page it holds, marks the rank left with the
+// reason, and ends. close() does the same from the caller's thread after stopping the loop
+// (bounded: a thread stuck in a backend call is abandoned, and then the pages stay until the
+// backend goes away with the process).
 #pragma once
 
 #include <atomic>
@@ -66,6 +68,10 @@ class RankMapper : public std::enable_shared_from_this<RankMapper> {
   int rank() const { return rank_; }
   int64_t mapped_pages() const { return mapped_count_.load(); }
   std::vector<int64_t> mapped_page_ids() const;
+  // The pages held whose map the whole group did (Note [Tensor parallel group]: committed
+  // pages): no rollback will unmap them, only a later unmap the scheduler decides. What this
+  // process may write, as the pool's blocks on them may be handed out.
+  std::vector<int64_t> committed_page_ids() const;
   uint64_t jobs_done() const { return jobs_done_.load(); }
   const Backend& backend() const { return *backend_; }
 
@@ -73,11 +79,13 @@ class RankMapper : public std::enable_shared_from_this<RankMapper> {
   RankMapper(std::string name, int rank, std::shared_ptr<Backend> backend, GroupFile* file);
   static void run(std::shared_ptr<RankMapper> self);
   void run_job(uint64_t seq);
-  BackendResult map_pages(int64_t first, int64_t count);
+  BackendResult map_pages(uint64_t seq, int64_t first, int64_t count);
   BackendResult unmap_pages(int64_t first, int64_t count);
   // Unmaps everything held, records `reason` and marks the rank left (once).
   void leave(const std::string& reason);
   RankRecord& record() { return file_->ranks[rank_]; }
+  const RankRecord& record() const { return file_->ranks[rank_]; }
+  bool held(int64_t page) const { return mapped_by_[page].load(std::memory_order_acquire) != 0; }
 
   std::string name_;
   int rank_;
@@ -86,7 +94,9 @@ class RankMapper : public std::enable_shared_from_this<RankMapper> {
   GroupFile* file_;
   int32_t scheduler_pid_;
   uint64_t scheduler_start_time_;
-  std::unique_ptr<std::atomic<uint8_t>[]> mapped_;  // per page: held (written by one thread)
+  // Per page: the job that mapped it, 0 when not held. Written by one thread at a time (the
+  // mapper's, or close's once it has stopped); read by any (mapped_page_ids, committed_page_ids).
+  std::unique_ptr<std::atomic<uint64_t>[]> mapped_by_;
   std::atomic<int64_t> mapped_count_{0};
   std::atomic<uint64_t> jobs_done_{0};
   std::atomic<bool> stopping_{false};

@@ -367,6 +367,15 @@ class RankMapper:
         """The pages this rank holds mapped now, ascending."""
         return self._mapper.mapped_page_ids()
 
+    def committed_page_ids(self) -> list[int]:
+        """The pages this rank holds whose map the whole group did, ascending.
+
+        Only these may be written by this process: a page this rank mapped while the group's map
+        failed elsewhere (another rank failed it or was late) is unmapped again by its rollback.
+        A committed page stays mapped until the scheduler unmaps it.
+        """
+        return self._mapper.committed_page_ids()
+
     @property
     def jobs_done(self) -> int:
         """Jobs (maps and unmaps) this rank has run."""

@@ -19,8 +19,10 @@
 // last mapped and unmapped (an event counter), with unmap failures injected on ranks. A rank may
 // start late. Then at once: workers (alloc with deadlines, alloc_nowait, free, trim,
 // set_limit_pages), a drainer (the completion records), a chaos thread (each rank's faults on and
-// off; the group's views read meanwhile), and an events thread that, at random moments, closes a
-// rank (it leaves mid-map), closes the group while maps are in flight, and closes the pool.
+// off; the group's views read meanwhile, never more jobs done than posted), a watcher (each
+// rank's committed pages, listed as a rank's process would use them), and an events thread
+// that, at random moments, closes a rank (it leaves mid-map), closes the group while maps are in
+// flight, and closes the pool.
 // Checks, failing the run at once (exit 1) with what broke:
 //  - an alloc that completes has its pages mapped on every rank still in the group (the rank's
 //    mapped_page_ids() and its device hold them), and on the scheduler's device when map_local;
@@ -28,9 +30,11 @@
 //    sanitizers report) and its mark is read back intact when it is freed (no page was unmapped
 //    or remapped under a holder);
 //  - a map the group reports done was held by every rank's device at some moment after it was
-//    asked for; a failed map leaves its pages on no rank still in the group (nor locally), unless
-//    its error says the rollback is pending; an unmap that fails leaves its pages mapped on every
-//    device still in the group (the pool keeps them, and hands their blocks out again);
+//    asked for, and every rank still in the group holds its pages committed (its process may use
+//    them); a failed map leaves its pages on no rank still in the group (nor locally), unless
+//    its error says the rollback is pending, and no rank listed them committed at any moment
+//    after its device mapped them; an unmap that fails leaves its pages mapped on every device
+//    still in the group (the pool keeps them, and hands their blocks out again);
 //  - no device maps a page it holds or unmaps one it does not, and its calls never overlap;
 //  - every wait returns by its deadline plus kSlack: GroupBackend::map and unmap (the group's
 //    timeouts), RankMapper::close and wait_left, SchedulerGroup::wait_ready, PagePool::close, a
@@ -135,6 +139,11 @@ class Device final : public stress::WrappingBackend<kvasync::HostBackend> {
     const size_t p = static_cast<size_t>(page);
     return held_[p] != 0 && mapped_at_[p] > t0;
   }
+  // The event of the page's last map call here (0: never).
+  uint64_t mapped_at(int64_t page) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return mapped_at_[static_cast<size_t>(page)];
+  }
   int64_t held_count() {
     std::lock_guard<std::mutex> lock(mutex_);
     return std::count(held_.begin(), held_.end(), 1);
@@ -198,6 +207,8 @@ struct RankSlot {
   std::shared_ptr<kvasync::RankMapper> mapper;  // under guard; null until joined
   std::atomic<bool> abandoned{false};           // its close left a stuck thread behind
   Clock::time_point join_at{};
+  // Per page: the latest event before a committed_page_ids() call that listed it (0: never).
+  std::unique_ptr<std::atomic<uint64_t>[]> committed_seen;
 };
 
 struct Held {
@@ -249,6 +260,8 @@ class Round {
       const bool late = rng_() % 5 == 0;
       const double late_by = std::min(2 * map_timeout_, 0.8 * seconds_) * (rng_() % 100) / 100.0;
       slot->join_at = after(late ? late_by : 0.0);
+      slot->committed_seen.reset(new std::atomic<uint64_t>[static_cast<size_t>(num_pages_)]);
+      for (int64_t p = 0; p < num_pages_; ++p) slot->committed_seen[p] = 0;
       if (late) counts.late_ranks++;
       ranks_.push_back(std::move(slot));
     }
@@ -276,6 +289,7 @@ class Round {
     if (rng_() % 3 == 0) wait_ready(0.01 + (rng_() % 50) / 1000.0);
     for (int w = 0; w < 3; ++w) threads.emplace_back([this, w] { worker(seed_for(w)); });
     threads.emplace_back([this] { chaos(seed_for(10)); });
+    threads.emplace_back([this] { watch_committed(); });
     threads.emplace_back([this] { events(seed_for(20)); });
     // The drainer outlives the workers: a worker's last request still gets its record.
     std::thread drain([this] { drainer(); });
@@ -315,6 +329,17 @@ class Round {
                                      " though the scheduler's device does not hold it");
         }
       }
+      // Committed on every rank still in the group: a rank's process may use them now.
+      for (int r = 0; r < num_ranks_; ++r) {
+        std::shared_lock<std::shared_mutex> lock(ranks_[r]->guard);
+        if (ranks_[r]->leaving || !ranks_[r]->mapper) continue;
+        const std::vector<int64_t> committed = ranks_[r]->mapper->committed_page_ids();
+        for (int64_t p = first; p < first + count; ++p) {
+          CHECK(std::binary_search(committed.begin(), committed.end(), p),
+                "the group mapped page " + std::to_string(p) + " but rank " + std::to_string(r) +
+                    " does not hold it committed");
+        }
+      }
       return result;
     }
     counts.group_maps_failed++;
@@ -333,6 +358,18 @@ class Round {
         CHECK(!ranks_[r]->device->mapped_since(p, t0),
               "a failed map left page " + std::to_string(p) + " mapped on rank " +
                   std::to_string(r) + ", with no rollback pending: " + result.error);
+      }
+    }
+    // No rank listed a page of this failed map as committed at any moment after its device
+    // mapped it (watch_committed): its process would have written it, and the rollback unmapped
+    // it under the write. (A page it held from before keeps no device call after t0.)
+    for (int r = 0; r < num_ranks_; ++r) {
+      for (int64_t p = first; p < first + count; ++p) {
+        const uint64_t mapped_at = ranks_[r]->device->mapped_at(p);
+        if (mapped_at <= t0) continue;
+        CHECK(ranks_[r]->committed_seen[p].load() <= mapped_at,
+              "rank " + std::to_string(r) + " listed page " + std::to_string(p) +
+                  " as committed, mapped by a map that failed: " + result.error);
       }
     }
     return result;
@@ -684,14 +721,37 @@ class Round {
           default: faults.release(); break;
         }
       }
-      // (jobs_done may pass jobs_posted: ranks() reads the two counters one after the other.)
       for (const auto& view : group_->ranks()) {
         CHECK(view.rank >= 0 && view.rank < num_ranks_ && view.mapped_pages >= 0 &&
                   view.mapped_pages <= num_pages_,
               "a rank's view out of range");
+        // One snapshot (SchedulerGroup::ranks): a rank never has done more than was posted.
+        CHECK(view.jobs_done <= view.jobs_posted,
+              "rank " + std::to_string(view.rank) + "'s view: " + std::to_string(view.jobs_done) +
+                  " jobs done of " + std::to_string(view.jobs_posted) + " posted");
       }
       (void)group_->broken();
       (void)group_->closed();
+    }
+  }
+
+  // A rank's process using what its mapper says is committed, as vLLM's worker does with the
+  // null block's page: each listing is stamped, for observe_map's check of failed maps.
+  void watch_committed() {
+    while (!stop_) {
+      for (auto& slot : ranks_) {
+        std::shared_lock<std::shared_mutex> lock(slot->guard);
+        if (!slot->mapper) continue;
+        const uint64_t before = event_clock.fetch_add(1);
+        for (int64_t p : slot->mapper->committed_page_ids()) {
+          uint64_t seen = slot->committed_seen[p].load();
+          while (seen < before && !slot->committed_seen[p].compare_exchange_weak(seen, before)) {
+          }
+        }
+      }
+      // Often enough to see a page between a rank's map and its rollback (a fault's delay, a
+      // map's timeout), without taking a core from the threads under test.
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
 

@@ -200,8 +200,8 @@ def open_rank_tensors(
 
     ``make_backend(num_ranges, num_pages, page_size)`` reserves this rank's ranges (the cuda
     backend on the worker's device); ``range_tensor(backend, i)`` is a uint8 tensor over range
-    ``i``. Returns once block 0's page is mapped here (zeroed when ``zero``), as vLLM's dummy
-    runs write there.
+    ``i``. Returns once block 0's page is mapped here for good, by the whole group (zeroed when
+    ``zero``), as vLLM's dummy runs write there.
 
     Raises:
         KVAsyncError: no group within ``timeout``, a geometry that is not this worker's, a rank
@@ -220,7 +220,11 @@ def open_rank_tensors(
     mapper = RankMapper(group, rank, backend, timeout=timeout)
     try:
         deadline = time.monotonic() + timeout
-        while 0 not in mapper.mapped_page_ids():  # the scheduler's null block (NullBlockHolder)
+        # The scheduler's null block (NullBlockHolder), committed: mapped by the whole group. A
+        # map this rank did is rolled back when another rank failed it or was late (as they join,
+        # under load), and zeroing the page then faults, or zeroes memory that the rollback and
+        # the next map replace (Note [Tensor parallel group] in csrc/group/group_file.h).
+        while 0 not in mapper.committed_page_ids():
             if mapper.left or time.monotonic() > deadline:
                 raise KVAsyncError(
                     f"kvasync's vLLM plugin: rank {rank} of group {group!r}: the null block's "
