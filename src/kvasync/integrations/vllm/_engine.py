@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,24 +68,41 @@ def hold_null_block(kv: SyncAllocator, timeout: float) -> None:
     """Allocates kvasync block 0 and keeps it: vLLM's null block.
 
     vLLM pads block tables with block 0 and its dummy runs write their KV there, so block 0 is on
-    a mapped page for the engine's whole life. A fresh allocator hands out its lowest pages
-    first, so its first block is 0; what comes before 0 (an allocator already in use) is freed.
+    a mapped page for the engine's whole life. The pool hands out the lowest page with a free
+    block first, but a fresh pool's first blocks need not come from page 0: when page 0's map
+    is not there yet (a refill that failed or waits for the share's budget, while the map asked
+    for this alloc landed on a higher page), the first blocks come from a higher page. So blocks
+    are taken, and held, until block 0 comes: once every mapped free block is held the next
+    alloc maps the lowest unmapped page, and a page 0 that lands meanwhile is the lowest with a
+    free block. Everything taken but block 0 is freed. (Seen on the H200: a second engine
+    starting beside a busy one in an 8 GiB share got 64 blocks of another page first.)
 
     Raises:
-        RuntimeError: block 0 was not handed out within the first page's blocks.
+        RuntimeError: the allocator has blocks allocated already (it is not fresh).
         AllocTimeout, MapError: block 0's page could not be mapped within ``timeout``.
     """
+    # Taking blocks until block 0 comes needs block 0 free: on an allocator in use it may not be.
+    if kv.stats().used_blocks:
+        raise RuntimeError(
+            "kvasync's vLLM plugin: block 0 (vLLM's null block) may be held elsewhere: the "
+            "engine's allocator must be fresh (none of its blocks allocated)"
+        )
+    deadline = time.monotonic() + timeout
     taken: list[int] = []
     try:
-        for _ in range(64):
-            got = kv.alloc(1, timeout=timeout)
-            if got == [0]:
+        chunk = 1  # the common case: the first block is 0
+        while True:
+            got = kv.alloc(chunk, timeout=max(0.001, deadline - time.monotonic()))
+            if 0 in got:
+                got.remove(0)
+                taken.extend(got)
                 return
             taken.extend(got)
-        raise RuntimeError(
-            "kvasync's vLLM plugin: block 0 (vLLM's null block) is held elsewhere; the "
-            "engine's allocator must be fresh"
-        )
+            chunk = _NULL_BLOCK_CHUNK
     finally:
         if taken:
             kv.free(taken)
+
+
+# Blocks taken at a time while block 0 has not come: a page holds hundreds of vLLM blocks.
+_NULL_BLOCK_CHUNK = 64
