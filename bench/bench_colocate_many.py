@@ -131,8 +131,9 @@ with no token after ``give_up_factor`` TTFT SLOs (it would miss the SLO anyway);
 its SLO horizon (the last arrival + the TTFT SLO + the longest output at the TPOT SLO: no
 request within both SLOs finishes later), and what is unfinished then is counted as cut.
 
-Engines: ``--engine-kind kvasync`` only. ``vllm`` is the hook for vLLM engines (issue 19's
-plugin, kvasync.integrations.vllm); it is not wired yet and says so.
+Engines: kvasync.serve's. Two vLLM engines with kvasync's plugin on one budget against static
+halves are bench_vllm.py's ``--mode two`` (a memory-bound trace of alternating bursts); N = 4 vLLM
+engines are not benchmarked yet.
 
 Usage: python bench/bench_colocate_many.py --preset tiny --device cpu --engines 2 --duration 10
 (``--cases compute`` runs the compute case alone, with its calibration only.)
@@ -1902,20 +1903,12 @@ def main() -> None:
         default=["shared peaks", "peak demand", "mean demand"],
         help="the hindsight splits to run, in order (none: skip), for the largest N only",
     )
-    parser.add_argument("--engine-kind", default="kvasync", choices=["kvasync", "vllm"])
     parser.add_argument("--out", default="bench/colocate_many")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         run_worker()
         return
-    if args.engine_kind == "vllm":
-        # NOTE: the hook for issue 19: each worker would start a vLLM engine with kvasync's
-        # plugin (kvasync.integrations.vllm) instead of kvasync.serve.Engine, on the same traces.
-        raise SystemExit(
-            "--engine-kind vllm is not wired: vLLM engines come with issue 19's plugin "
-            "(kvasync.integrations.vllm); this harness runs kvasync.serve engines only"
-        )
     regime = REGIMES[args.preset]
     changes: dict[str, Any] = {}
     if args.tpot_slo_ms is not None:
