@@ -20,7 +20,11 @@ with their own CUDA contexts, so this measures the group's transport and each ra
 but the ranks contend for one device's driver where a TP group has one GPU each (a two-GPU machine
 is the real measurement). On ``--device cpu`` the backends are memfd + mmap.
 
+With ``--gpus 2`` (a two-GPU machine) rank r maps on GPU r % 2, as a TP group's ranks do, and
+the scheduler's pool holds no KV memory (the local backend stays on GPU 0, unused for maps).
+
 Usage: python bench/bench_tensor_parallel.py --device cuda --ranks 0 1 2 4 --pages 1 16
+       python bench/bench_tensor_parallel.py --device cuda --gpus 2 --ranks 0 1 2 --pages 1 16
 """
 
 from __future__ import annotations
@@ -45,10 +49,12 @@ RANK_JOIN_S = 60.0  # a rank process's import, CUDA context and join
 ROUND_S = 30.0  # the deadline of one map or unmap round
 
 
-def make_backend(device: str, ranges: int, pages: int, page_size: int, spare: int) -> _core.Backend:
+def make_backend(
+    device: str, ranges: int, pages: int, page_size: int, spare: int, gpu: int = 0
+) -> _core.Backend:
     if device == "cpu":
         return _core.HostBackend(ranges, pages, page_size)
-    return _core.CudaBackend(0, ranges, pages, page_size, spare, 0.95)
+    return _core.CudaBackend(gpu, ranges, pages, page_size, spare, 0.95)
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -60,6 +66,7 @@ def rank_main(args: argparse.Namespace) -> None:
         geometry["num_pages"],
         geometry["page_size"],
         args.spare,
+        args.rank % args.gpus,
     )
     with RankMapper(args.group, args.rank, backend, timeout=RANK_JOIN_S):
         print(json.dumps({"event": "joined", "rank": args.rank}), flush=True)
@@ -119,6 +126,8 @@ def measure(args: argparse.Namespace, ranks: int, pages: int, spare: int) -> dic
                             args.device,
                             "--spare",
                             str(spare),
+                            "--gpus",
+                            str(args.gpus),
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -164,6 +173,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--pages", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--ranges", type=int, default=64, help="handles per page id")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="cuda: rank r maps on GPU r %% GPUS (1: every rank on GPU 0, as on one H200)",
+    )
     parser.add_argument("--page-size", type=int, default=2 << 20)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=str)
@@ -176,10 +191,15 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args)
         return
+    if args.gpus < 1:
+        sys.exit(f"--gpus must be at least 1, got {args.gpus}")
     if args.device == "cuda":
-        problem = _core.cuda_problem(0)
-        if problem:
-            sys.exit(f"bench_tensor_parallel --device cuda needs a GPU: {problem}")
+        for gpu in range(args.gpus):
+            problem = _core.cuda_problem(gpu)
+            if problem:
+                sys.exit(
+                    f"bench_tensor_parallel --device cuda --gpus {args.gpus}: GPU {gpu}: {problem}"
+                )
     rows: list[list[str]] = []
     results: list[dict[str, Any]] = []
     for pages in args.pages:
@@ -205,7 +225,9 @@ def main() -> None:
                 )
     print(
         f"Per page id ({args.ranges} handles of {args.page_size >> 10} KiB), device "
-        f"{args.device}, median of {args.repeats} rounds:"
+        f"{args.device}"
+        + (f", rank r on GPU r % {args.gpus}" if args.device == "cuda" else "")
+        + f", median of {args.repeats} rounds:"
     )
     print(
         markdown(
