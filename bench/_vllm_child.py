@@ -272,6 +272,7 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, float]:
         "seed": 0,
         "attention_config": {"backend": spec.get("attention", "TRITON_ATTN")},
         "distributed_executor_backend": spec["executor"],
+        "tensor_parallel_size": int(spec.get("tensor_parallel_size", 1)),
         "disable_log_stats": not spec.get("stats", False),
     }
     if spec.get("kv_cache_bytes"):

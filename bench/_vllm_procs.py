@@ -381,6 +381,7 @@ class Run:
             "utilization": extra.pop("utilization", 0.3),
             "max_model_len": extra.pop("max_model_len", 2048),
             "attention": self.args.attention,
+            "tensor_parallel_size": self.args.tp,
             "cuda_graphs": self.args.cuda_graphs,
             **extra,
         }

@@ -5,7 +5,10 @@ Every engine is its own process (``--child``, bench/_vllm_child.py) on a Llama-a
 config with random weights (no weights can be fetched; every engine gets the same seed), greedy,
 token-id prompts that share no prefix, ``enforce_eager``, TRITON_ATTN, bf16,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. ``--attention FLASH_ATTN`` and ``--cuda-graphs`` (CUDA
-graphs captured at start, no ``enforce_eager``) change that for every engine of the run.
+graphs captured at start, no ``enforce_eager``) change that for every engine of the run, and
+``--tp N`` runs every engine at ``tensor_parallel_size`` N on the multiprocess executor (one GPU
+per rank: issue 17's token identity against stock at TP=2 is ``--mode identity --tp 2`` on a
+two-GPU machine).
 ``--executor uni|mp`` is vLLM's ``distributed_executor_backend`` for every engine ("mp": the
 worker in its own process). The driver holds a deadline on every engine start, request batch
 and shutdown (bench/_vllm_procs.py): an engine that hangs is reported as a hang with its elapsed
@@ -423,6 +426,13 @@ def main() -> None:
         help="vLLM's attention backend, for every engine",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="vLLM's tensor_parallel_size for every engine (above 1: the multiprocess executor, "
+        "one GPU per rank)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="capture CUDA graphs (no enforce_eager), for every engine",
@@ -504,18 +514,29 @@ def main() -> None:
         use_reference(args)
     if args.mode is None:
         args.mode = ["identity"]
+    if args.tp < 1:
+        parser.error(f"--tp must be at least 1, got {args.tp}")
+    if args.tp > 1:
+        # vLLM runs TP > 1 on its multiprocess executor; so does the plugin (its ranks map the
+        # scheduler's pages through kvasync's tensor-parallel group).
+        if any(variant.endswith("-uni") for variant in args.runs):
+            parser.error("--tp above 1 needs the multiprocess executor: drop -uni from --runs")
+        args.executor = "mp"
     for variant in args.runs:
         variant_parts(variant, args.executor)  # a bad variant fails before any engine starts
     args.out.mkdir(parents=True, exist_ok=True)
     # What is printed is also kept (a device call returns only the end of the output).
     sys.stdout = Tee(sys.stdout, (args.out / "report.md").open("w"))
     graphs = "CUDA graphs" if args.cuda_graphs else "eager"
-    print(f"engines: {args.attention}, {graphs}, executor {args.executor}", flush=True)
+    print(
+        f"engines: {args.attention}, {graphs}, executor {args.executor}, TP={args.tp}", flush=True
+    )
     summary: dict[str, Any] = {
         "argv": sys.argv[1:],
         "executor": args.executor,
         "attention": args.attention,
         "cuda_graphs": args.cuda_graphs,
+        "tp": args.tp,
         "budget_s": args.budget_s,
         "modes": {},
     }
