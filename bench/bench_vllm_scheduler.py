@@ -1,0 +1,595 @@
+#!/usr/bin/env python3
+"""vLLM's scheduler step on the CPU: stock vLLM's ``BlockPool`` against kvasync's pool, in one run.
+
+On a GPU the scheduler's CPU time per step is hidden behind (eager) or beside (CUDA graphs) the
+model's step, and the GPU's noise swamps it. Here vLLM 0.26's own ``Scheduler`` runs with no
+model: each step is ``schedule()`` and then ``update_from_output()`` with one sampled token per
+request whose prompt is done, as the engine core's loop calls them. Everything the scheduler
+does for the KV cache is vLLM's own code over the pool under test (``get_computed_blocks``,
+``allocate_slots`` for every running request every step, ``free`` of finished requests, the
+per-step ``usage``); kvasync's side is installed as ``register()`` installs it (its pool class
+and the coordinator's counting patch) over a host-backend allocator whose pages and reserve are
+sized as the worker sizes them (``reserve_pages_for``, ``step_blocks``).
+
+The pattern: ``--requests`` requests of ``--prompt`` tokens arrive at once and decode ``--output``
+tokens each (``ignore_eos``), ``--max-seqs`` at a time, ``--batched-tokens`` a step (chunked
+prefill); with prefix caching each prompt starts with a ``--shared-prefix`` of tokens common to
+all (a system prompt), the rest its own. Both pools run the same steps: the table says how many.
+
+Each round runs, for each caching setting, every pool's scheduler side by side in lock step (each
+step of each pool, the pools taking the first turn in turn), so that a step of kvasync's pool is
+timed beside the same step of stock's under the same load of the machine: once timing whole
+steps and once timing each call (every call wrapped in a timer, so the step pass carries no
+wrapper). Per step: the scheduler thread's CPU time (``time.thread_time``: the mapper thread's
+work and the time the thread is descheduled are not in it) of ``schedule()`` +
+``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
+whole run against stock's; the median over steps of a step's time over stock's same step; the
+wall median. Per call (wall time): the scheduler's calls into the KV cache
+(``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``, the coordinator's
+``get_num_blocks_to_allocate``) and the pool's methods they reach (``get_num_free_blocks``,
+``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step stats read).
+``--before REV`` adds kvasync's pool as it is at a git revision (``git show REV:...``), for a
+before/after table in one run.
+
+``--profile`` then runs kvasync's pool under cProfile for one pass of each caching setting and
+prints the functions with the most time of their own.
+
+Runs where vLLM 0.26 imports (``/work/vllm-venv/bin/python bench/bench_vllm_scheduler.py``); no
+GPU is used. Usage: bench/bench_vllm_scheduler.py [--rounds N] [--caching on|off|both]
+[--requests N] [--prompt T] [--output T] [--before REV] [--profile] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import importlib.util
+import io
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vLLM's first import
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model's config is a local file
+
+import _tables as tables
+import torch
+
+from kvasync import Config, KVLayout, open_allocator_sync
+from kvasync._stats import percentile
+from kvasync.integrations.vllm import _pool
+from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
+from kvasync.integrations.vllm._worker import reserve_pages_for, step_blocks
+
+try:
+    import vllm
+    import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+except ImportError as error:
+    sys.exit(
+        f"bench_vllm_scheduler needs vLLM 0.26 importable ({error}); run it with a Python that "
+        "has vLLM and kvasync (e.g. /work/vllm-venv/bin/python)"
+    )
+
+BLOCK_SIZE = 16  # tokens a block, vLLM's default
+# A block of 4 KiB a range on 128 KiB pages: 32 blocks a page, as a 64 KiB layer block (Llama 3
+# 8B: 16 tokens x 8 KV heads x 128 x fp16 x K and V) on the driver's 2 MiB pages.
+LAYOUT = KVLayout(1, 1, 256, BLOCK_SIZE, dtype=torch.int8, kv_buffers=1)
+PAGE_SIZE = 128 << 10
+VOCAB = 32_000
+DEADLINE = 30.0  # for the reserve's first mapping
+
+# A tiny Llama's config: the scheduler reads the model's config (max length, architecture), never
+# its weights.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+STOCK = "stock"
+# The scheduler's calls into the KV cache (KVCacheManager and its coordinator), then the pool's.
+MANAGER_CALLS = ("allocate_slots", "free", "get_computed_blocks")
+COORDINATOR_CALLS = ("get_num_blocks_to_allocate",)
+POOL_CALLS = ("get_num_free_blocks", "get_new_blocks", "free_blocks", "get_usage")
+CALLS = (*MANAGER_CALLS, *COORDINATOR_CALLS, *POOL_CALLS)
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt: int
+    output: int
+    shared_prefix: int
+    max_seqs: int
+    batched_tokens: int
+    num_blocks: int
+
+
+@dataclass
+class Samples:
+    """One pool and caching setting's samples over every round."""
+
+    steps: list[float] = field(default_factory=list)  # the scheduler thread's CPU seconds a step
+    walls: list[float] = field(default_factory=list)  # wall seconds a step
+    ratios: list[float] = field(default_factory=list)  # a step's CPU time over stock's same step
+    steps_per_run: list[int] = field(default_factory=list)
+    calls: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    misses: list[int] = field(default_factory=list)  # kvasync: counts answered short
+
+
+# -- vLLM's scheduler, stock or with kvasync's pool --------------------------------------------
+
+
+def vllm_config_for(workload: Workload, caching: bool, model_dir: str) -> Any:
+    model = ModelConfig(model=model_dir, dtype="float16", seed=0, skip_tokenizer_init=True)
+    scheduler = SchedulerConfig(
+        max_num_seqs=workload.max_seqs,
+        max_num_batched_tokens=workload.batched_tokens,
+        max_model_len=int(model.max_model_len),
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,  # the plain Scheduler's loop: schedule, then its output
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=caching)
+    cache.num_gpu_blocks = workload.num_blocks
+    return VllmConfig(
+        model_config=model,
+        scheduler_config=scheduler,
+        cache_config=cache,
+        parallel_config=ParallelConfig(),
+        device_config=DeviceConfig(device="cpu"),  # the scheduler touches no device
+    )
+
+
+def open_engine(vllm_config: Any, num_blocks: int) -> EngineKV:
+    """A host-backend allocator with the reserve the worker would give this scheduler, its
+    reserve mapped (an engine that has been up a while)."""
+    low, high = reserve_pages_for(LAYOUT, PAGE_SIZE, step_blocks(vllm_config, BLOCK_SIZE))
+    kv = open_allocator_sync(
+        LAYOUT,
+        Config(
+            backend="host", max_blocks=num_blocks, page_size=PAGE_SIZE, reserve_pages=(low, high)
+        ),
+    )
+    try:
+        hold_null_block(kv, DEADLINE)
+        per_page = PAGE_SIZE // LAYOUT.range_block_bytes
+        due = time.monotonic() + DEADLINE
+        while kv.stats().free_blocks < low * per_page - 1:
+            if time.monotonic() > due:
+                raise RuntimeError(f"the reserve of {low} pages was not mapped in {DEADLINE} s")
+            time.sleep(0.01)
+    except BaseException:
+        kv.close()
+        raise
+    return EngineKV(allocator=kv, owned=False)
+
+
+def pool_at(rev: str) -> Any:
+    """kvasync's ``_pool`` module as it is at git revision ``rev`` (for a before/after table in
+    one run), imported beside today's, in the same package."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(
+        ["git", "show", f"{rev}:src/kvasync/integrations/vllm/_pool.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    fd, path = tempfile.mkstemp(prefix="kvasync_pool_", suffix=".py")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    name = f"kvasync.integrations.vllm._pool_at_{rev.replace('~', '_').replace('^', '_')}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    os.unlink(path)
+    return module
+
+
+@contextmanager
+def scheduler_for(pool: Any, vllm_config: Any, num_blocks: int) -> Iterator[Any]:
+    """vLLM's Scheduler over stock's BlockPool (``pool`` None), or over the pool of kvasync's
+    ``_pool`` module ``pool`` as ``register()`` patches it (the pool class the coordinator
+    builds, the coordinator's count)."""
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"],
+                FullAttentionSpec(
+                    block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32
+                ),
+            )
+        ],
+    )
+    engine = None
+    try:
+        if pool is not None:
+            engine = open_engine(vllm_config, num_blocks)
+            found = engine
+            vllm_coordinator.BlockPool = pool.make_block_pool_class(BlockPool, lambda n: found)
+        scheduler = Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            block_size=BLOCK_SIZE,
+            log_stats=True,  # as `vllm serve` runs: usage and prefix-cache stats every step
+            structured_output_manager=StructuredOutputManager(vllm_config),
+        )
+        vllm_coordinator.BlockPool = BlockPool
+        if pool is not None:
+            # register() patches the class; here this coordinator alone (its own instance
+            # attribute), so that pools of several revisions run side by side.
+            coordinator = scheduler.kv_cache_manager.coordinator
+            stock_count = type(coordinator).get_num_blocks_to_allocate
+            coordinator.get_num_blocks_to_allocate = MethodType(
+                pool.counting_demand(stock_count), coordinator
+            )
+        yield scheduler
+    finally:
+        vllm_coordinator.BlockPool = BlockPool
+        if engine is not None:
+            engine.allocator.close()
+
+
+def make_requests(workload: Workload, hasher: Any, round_seed: int) -> list[Any]:
+    """Prompts of a common prefix then tokens of their own (distinct across rounds, so that a
+    round's prefix hits are its own)."""
+    shared = [(round_seed * 7919 + t) % VOCAB for t in range(workload.shared_prefix)]
+    requests = []
+    for i in range(workload.requests):
+        own = [
+            (round_seed * 104_729 + i * 1_009 + t * 31) % VOCAB
+            for t in range(workload.prompt - workload.shared_prefix)
+        ]
+        requests.append(
+            Request(
+                request_id=f"r{round_seed}-{i}",
+                prompt_token_ids=shared + own,
+                sampling_params=SamplingParams(max_tokens=workload.output, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=hasher,
+            )
+        )
+    return requests
+
+
+def model_output(scheduler: Any, output: Any, step: int) -> Any:
+    """One sampled token for each scheduled request whose prompt is done (a chunk of a longer
+    prompt samples nothing), as the model runner reports it."""
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for index, req_id in enumerate(req_ids):
+        request = scheduler.requests[req_id]
+        done = request.num_computed_tokens >= request.num_prompt_tokens
+        sampled.append([(step * 131 + index) % VOCAB] if done else [])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: k for k, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def timed(method: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(clock() - start)
+
+    return call
+
+
+def wrap_calls(scheduler: Any, calls: dict[str, list[float]]) -> None:
+    """Times each of ``CALLS`` on this scheduler's objects (instance attributes shadow the
+    methods, so calls between them are timed too)."""
+    manager = scheduler.kv_cache_manager
+    for name in MANAGER_CALLS:
+        setattr(manager, name, timed(getattr(manager, name), calls[name]))
+    for name in COORDINATOR_CALLS:
+        target = manager.coordinator
+        setattr(target, name, timed(getattr(target, name), calls[name]))
+    for name in POOL_CALLS:
+        setattr(manager.block_pool, name, timed(getattr(manager.block_pool, name), calls[name]))
+
+
+def run_together(
+    schedulers: dict[str, Any],
+    workload: Workload,
+    hasher: Any,
+    round_seed: int,
+    samples: dict[str, Samples],
+    timing_calls: bool,
+) -> None:
+    """Serves the workload on every scheduler, step by step in lock step (each pool takes the
+    first turn in turn), so that each step of a pool is timed beside the same step of the
+    others, under the same load of the machine. Records each step's time, or (``timing_calls``)
+    each call's."""
+    for name, scheduler in schedulers.items():
+        if timing_calls:
+            wrap_calls(scheduler, samples[name].calls)
+        for request in make_requests(workload, hasher, round_seed):
+            scheduler.add_request(request)
+    gc.collect()
+    clock, cpu = time.perf_counter, time.thread_time
+    names = list(schedulers)
+    limit = workload.requests * (workload.prompt + workload.output)  # a step makes progress
+    steps = dict.fromkeys(names, 0)
+    step = 0
+    while any(s.has_requests() for s in schedulers.values()):
+        times: dict[str, float] = {}
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            scheduler = schedulers[name]
+            if not scheduler.has_requests():
+                continue
+            start, start_cpu = clock(), cpu()
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, model_output(scheduler, output, step))
+            times[name] = cpu() - start_cpu
+            wall = clock() - start
+            steps[name] += 1
+            if not timing_calls:
+                samples[name].steps.append(times[name])
+                samples[name].walls.append(wall)
+        if not timing_calls and STOCK in times:
+            for name, seconds in times.items():
+                samples[name].ratios.append(seconds / max(times[STOCK], 1e-9))
+        step += 1
+        if step > limit:
+            raise RuntimeError(f"the workload did not finish in {limit} steps")
+    for name, scheduler in schedulers.items():
+        manager = scheduler.kv_cache_manager
+        if not manager.enable_caching and manager.usage > 0.0:
+            raise RuntimeError(f"{name}: blocks still held after every request finished")
+        if timing_calls:
+            continue
+        samples[name].steps_per_run.append(steps[name])
+        misses = getattr(manager.block_pool, "num_map_ahead_misses", None)
+        if misses is not None:
+            samples[name].misses.append(int(misses))
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def fmt_us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f}"
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def step_table(
+    results: dict[tuple[str, str], Samples], pools: list[str], settings: list[str]
+) -> str:
+    rows = []
+    for caching in settings:
+        stock = results[(STOCK, caching)]
+        base = sum(stock.steps) / len(stock.steps_per_run)
+        for pool in pools:
+            s = results[(pool, caching)]
+            per_run = sum(s.steps) / len(s.steps_per_run)
+            rows.append(
+                [
+                    pool,
+                    caching,
+                    "/".join(str(n) for n in sorted(set(s.steps_per_run))),
+                    fmt_ms(percentile(s.steps, 50)),
+                    fmt_ms(percentile(s.steps, 90)),
+                    fmt_ms(percentile(s.steps, 99)),
+                    fmt_ms(per_run),
+                    f"{per_run / base:.3f}x",
+                    f"{percentile(s.ratios, 50):.3f}x",
+                    fmt_ms(percentile(s.walls, 50)),
+                    str(max(s.misses)) if s.misses else "-",
+                ]
+            )
+    return tables.markdown(
+        [
+            "pool",
+            "prefix caching",
+            "steps a run",
+            "step CPU p50 ms",
+            "p90 ms",
+            "p99 ms",
+            "CPU ms a run",
+            "run vs stock",
+            "step vs stock p50",
+            "step wall p50 ms",
+            "map-ahead misses",
+        ],
+        rows,
+    )
+
+
+def call_table(
+    results: dict[tuple[str, str], Samples], pools: list[str], settings: list[str]
+) -> str:
+    rows = []
+    for caching in settings:
+        for name in CALLS:
+            for pool in pools:
+                s = results[(pool, caching)]
+                samples = s.calls.get(name, [])
+                if not samples:
+                    continue
+                runs = len(s.steps_per_run)
+                rows.append(
+                    [
+                        name,
+                        pool,
+                        caching,
+                        str(len(samples) // runs),
+                        fmt_us(percentile(samples, 50)),
+                        fmt_us(percentile(samples, 90)),
+                        fmt_us(percentile(samples, 99)),
+                        fmt_ms(sum(samples) / runs),
+                    ]
+                )
+    return tables.markdown(
+        ["call", "pool", "prefix caching", "calls a run", "p50 µs", "p90 µs", "p99 µs", "ms a run"],
+        rows,
+        justify=["left", "left", "left", "right", "right", "right", "right", "right"],
+    )
+
+
+def profile(workload: Workload, settings: list[str], model_dir: str, hasher: Any, top: int) -> str:
+    """cProfile of kvasync's pool serving the workload once per caching setting."""
+    out = io.StringIO()
+    for caching in settings:
+        vllm_config = vllm_config_for(workload, caching == "on", model_dir)
+        sink = {"kvasync": Samples()}
+        with scheduler_for(_pool, vllm_config, workload.num_blocks) as scheduler:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            run_together({"kvasync": scheduler}, workload, hasher, 10_000, sink, False)
+            profiler.disable()
+        stats = pstats.Stats(profiler, stream=out)
+        out.write(f"\n## kvasync pool, prefix caching {caching}: top {top} by own time\n")
+        stats.sort_stats("tottime").print_stats(top)
+        out.write(f"\n## kvasync pool, prefix caching {caching}: kvasync's functions, cumulative\n")
+        stats.sort_stats("cumulative").print_stats(r"kvasync", top)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--caching", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512, help="tokens a prompt")
+    parser.add_argument("--output", type=int, default=128, help="tokens each request decodes")
+    parser.add_argument("--shared-prefix", type=int, default=128, help="tokens all prompts share")
+    parser.add_argument("--max-seqs", type=int, default=256)
+    parser.add_argument("--batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run kvasync's pool as it is at this git revision (a before/after row)",
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile kvasync's pool after")
+    parser.add_argument("--top", type=int, default=30, help="profile lines to print")
+    parser.add_argument("--quick", action="store_true", help="1 round of 64 requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.requests = min(args.rounds, 1), 64
+    if not 0 <= args.shared_prefix < args.prompt:
+        parser.error("--shared-prefix must be below --prompt")
+    per_request = -(-(args.prompt + args.output) // BLOCK_SIZE)
+    # Room for every request at once and as many cached blocks again: no preemption, and the
+    # pool's capacity is what vLLM would size from a large GPU.
+    num_blocks = 2 * args.requests * per_request + 1
+    workload = Workload(
+        requests=args.requests,
+        prompt=args.prompt,
+        output=args.output,
+        shared_prefix=args.shared_prefix,
+        max_seqs=args.max_seqs,
+        batched_tokens=args.batched_tokens,
+        num_blocks=num_blocks,
+    )
+    settings = ["on", "off"] if args.caching == "both" else [args.caching]
+    modules: dict[str, Any] = {STOCK: None, "kvasync": _pool}
+    if args.before:
+        modules[f"kvasync@{args.before}"] = pool_at(args.before)
+    pools = list(modules)
+
+    with tempfile.TemporaryDirectory(prefix="kvasync-bench-model-") as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(MODEL_CONFIG, f)
+        configs = {c: vllm_config_for(workload, c == "on", model_dir) for c in settings}
+        hash_fn = get_hash_fn_by_name(configs[settings[0]].cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+
+        results = {(p, c): Samples() for p in pools for c in settings}
+        for round_index in range(args.rounds):
+            for caching in settings:
+                for timing_calls in (False, True):
+                    with ExitStack() as stack:
+                        schedulers = {
+                            pool: stack.enter_context(
+                                scheduler_for(modules[pool], configs[caching], num_blocks)
+                            )
+                            for pool in pools
+                        }
+                        run_together(
+                            schedulers,
+                            workload,
+                            hasher,
+                            round_index * 2 + int(timing_calls),
+                            {pool: results[(pool, caching)] for pool in pools},
+                            timing_calls,
+                        )
+            print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+        if args.rounds > 0:
+            print(
+                f"# vLLM {vllm.__version__}'s scheduler on the CPU ({os.cpu_count()} cores, "
+                f"Python {platform.python_version()}): {args.requests} requests of "
+                f"{args.prompt}-token prompts ({args.shared_prefix} shared) decoding "
+                f"{args.output} tokens, max_num_seqs {args.max_seqs}, {args.batched_tokens} "
+                f"tokens a step, {num_blocks} blocks, {args.rounds} round(s)\n"
+            )
+            print(
+                "Per step (schedule() + update_from_output(); the scheduler thread's CPU time):\n"
+            )
+            print(step_table(results, pools, settings))
+            print("\nPer call (wall time, timed in a pass of their own):\n")
+            print(call_table(results, pools, settings))
+        if args.profile:
+            print(profile(workload, settings, model_dir, hasher, args.top))
+
+
+if __name__ == "__main__":
+    main()
