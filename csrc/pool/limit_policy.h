@@ -40,9 +40,12 @@
 //      lowest pages first, and their free slots do not count as free: not for the fast path,
 //      for waiters, nor for available_blocks), one that empties is unmapped at once (even while
 //      requests wait: its blocks could not go to them), and drain_from_block() tells a
-//      scheduler which blocks to give back. Pages still mapping are not counted: over the limit
-//      they drain when they land. The drain is re-planned as pages land or leave, and ends when
-//      the pool is within its limit again or the limit is raised.
+//      scheduler which blocks to give back. Pages still mapping count at their place (highest
+//      first, as if landed): over the limit no waiter counts on them, and they drain when they
+//      land, so that a lower page landed before them is not drained (and unmapped) in their
+//      stead while a waiter waits for its blocks. So the lowest page held never drains. The
+//      drain is re-planned as pages land or leave, and ends when the pool is within its limit
+//      again or the limit is raised.
 //    - trim() (was Note [Trim]) keeps nothing of the reserve, and its barrier promises: once it
 //      completes, no page is mapped-free unless a request mapped it since (or a waiter counts
 //      on it). So it cannot look at the reserve alone: a map queued or running when trim() is
@@ -113,7 +116,7 @@ class LimitPolicy {
   int64_t refill_wanted(int64_t have, int64_t headroom) const;
 
   // The drain: the lowest draining page, or kNoDrain. `mapped(page)` says whether a page is
-  // mapped (free or in use); pages are scanned from `num_pages - 1` down.
+  // held and not leaving (mapping, free or in use); pages are scanned from `num_pages - 1` down.
   template <class Mapped>
   void plan_drain(int64_t over, int64_t num_pages, Mapped&& mapped) {
     drain_from_ = kNoDrain;

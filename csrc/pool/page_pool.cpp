@@ -255,14 +255,19 @@ int64_t PagePool::usable_free_blocks() const {
 }
 
 void PagePool::plan_drain() {
-  // Note [Limit policy]: the mapped pages over the limit (less those already unmapping),
+  // Note [Limit policy]: the pages held over the limit (less those already unmapping),
   // highest first: allocation packs into the lowest pages, so these hold the fewest (and
-  // youngest) blocks. Not pages still mapping: their blocks count as incoming for the waiters
-  // they are mapped for (Note [Waiters]); once they land, the next plan counts them.
+  // youngest) blocks. Pages still mapping count too, at their place: over the limit no waiter
+  // counts on them (available_to_newcomer), and they drain when they land. Left out, a lower
+  // page that landed first drained in their stead, unmapped at once while a waiter waited for
+  // it, and the waiter was served from the higher page landing after it: a fresh pool in a
+  // share whose fair share fell handed out its first blocks from another page than page 0
+  // (tests/test_pool_fresh_in_share.py).
   const int64_t over = -headroom_pages() - count_[(int)PageState::kUnmapping];
   policy_.plan_drain(over, static_cast<int64_t>(pages_.size()), [&](int64_t page) {
     const PageState state = pages_[page].state;
-    return state == PageState::kFree || state == PageState::kInUse;
+    return state == PageState::kFree || state == PageState::kInUse ||
+           state == PageState::kMapping;
   });
 }
 
