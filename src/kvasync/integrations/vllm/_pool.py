@@ -8,8 +8,8 @@ one of four places:
 - the allocator's: free in kvasync, perhaps on no mapped page (most ids, at first);
 - the pool's pocket: taken from the allocator, mapped, promised to the allocation vLLM is
   counting for (Note [Count only what is mapped]); free to vLLM;
-- vLLM's queue: free to vLLM and on a mapped page; these are freed blocks that keep a
-  prefix-cache entry (vLLM evicts them LRU when it needs blocks), at most
+- vLLM's queue (``cached_free_queue``): free to vLLM and on a mapped page; freed blocks that
+  keep a prefix-cache entry (vLLM evicts them LRU when it needs blocks), at most
   ``prefix_cache_blocks`` of them, and none in the pages the allocator drains;
 - a request's: ``ref_cnt > 0``, mapped.
 
@@ -18,10 +18,10 @@ page is unmapped as the reserve policy says. The allocator hands out its lowest 
 blocks first, and a page's last freed first; so the pool frees blocks last first: those vLLM
 frees come out again first and in its order (vLLM puts them at the head of its queue), and the
 pocket's unused blocks, given back before them, in the order they were taken, as if they had
-never left. The allocator's reserve keeps the blocks of the
-longest request, or of one step's batch, plus one per running sequence mapped and free (its low
-watermark, ``_worker``), refilled by the mapper thread in the background, so that a step's
-blocks are normally mapped before it asks.
+never left. The allocator's reserve keeps the blocks of the longest request, or of one step's
+batch, plus one per running sequence mapped and free (its low watermark, ``_worker``), refilled
+by the mapper thread in the background, so that a step's blocks are normally mapped before it
+asks.
 
 Note [Count only what is mapped]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,7 +87,9 @@ block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free se
   would be a list that only looks like the state), the linked list (``fake_free_list_head``,
   ``fake_free_list_tail``; the allocator's blocks are on no list) and the mutators that take or
   put blocks at the head (``popleft``, ``popleft_n``, ``prepend_n``: only the pool's
-  ``get_new_blocks`` and ``free_blocks`` move blocks between the allocator and vLLM).
+  ``get_new_blocks`` and ``free_blocks`` move blocks between the allocator and vLLM). vLLM
+  0.26's sink-attention manager takes its sink blocks with ``popleft_n`` when it is built, so a
+  model with sink attention stops there, saying so (before the view, it failed an assertion).
 """
 
 from __future__ import annotations
