@@ -173,7 +173,7 @@ class FreeBlocksView:
         pool = self._pool()
         if pool is None:
             raise ReferenceError("kvasync's vLLM pool: the pool of this free_block_queue is gone")
-        return int(pool._num_free_now())
+        return int(pool.num_free_blocks_now())
 
     def get_all_free_blocks(self) -> list[Any]:
         raise NotImplementedError(
@@ -281,7 +281,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             demand, self._demand = self._demand, None
             if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
                 self._may_evict = 0
-                return self._num_free_now()
+                return self.num_free_blocks_now()
             return self._promise(demand, int(self.cached_free_queue.num_free_blocks))
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
@@ -392,7 +392,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             queued = int(self.cached_free_queue.num_free_blocks)
             return self._kv.stats().used_blocks - 1 - queued - len(self._pocket)
 
-        def _num_free_now(self) -> int:
+        def num_free_blocks_now(self) -> int:
             """Blocks vLLM could take now without waiting: the pocket, the allocator's mapped
             free blocks and the cached ones in vLLM's queue."""
             queued = int(self.cached_free_queue.num_free_blocks)
