@@ -10,15 +10,24 @@ pool's first maps were in flight: it counted only the pages already mapped, so t
 landed first was drained in place of a higher page still mapping, unmapped at once while the
 alloc waited for it, and the alloc was served from the higher page landing next.
 
-Real ledger file, real host backend; the faults hold a map in the mapper to order the landings.
+One start in that stress (with the ledger's lock taken now and then) went another way: the
+alloc's map of page 0 was queued uncharged while the lock was busy, a refill planned once the
+lock was free took the budget first, and page 0 was refused (Note [Budget off the caller's
+thread] in csrc/pool/page_pool.h). The last test pins that.
+
+Real ledger file, real host backend, and a real process holding the ledger's lock; the faults hold
+or slow a map in the mapper to order the landings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import select
+import subprocess
+import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -123,3 +132,84 @@ async def test_the_first_block_is_0_when_the_fair_share_falls_as_its_own_page_la
             await wait_until(lambda: fresh.stats().maps_done == 3, DEADLINE)
             await wait_until(lambda: fresh.stats().mapped_pages == 1, DEADLINE)
             fresh.free([0])
+
+
+@pytest.fixture
+def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
+    """Starts a process that takes the share's ledger lock and keeps it until killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start() -> subprocess.Popen[str]:
+        code = (
+            "import sys; from kvasync import _core; print('taking', flush=True); "
+            "_core.ledger_hold_lock_for_test(sys.argv[1], 600.0)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, ledger.path(share)], stdout=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait(timeout=DEADLINE)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def lock_taken(share: str) -> bool:
+    try:
+        ledger.snapshot(share, timeout=0.01)
+    except kvasync.KVAsyncError:
+        return True
+    return False
+
+
+def page_blocks(blocks: list[int], page: int) -> list[int]:
+    return [b for b in blocks if b // BLOCKS_PER_PAGE == page]
+
+
+async def test_a_refill_never_takes_the_budget_a_map_queued_uncharged_waits_for(
+    share: str, lock_holder: Callable[[], subprocess.Popen[str]]
+) -> None:
+    faults = FaultInjector()
+    async with kvasync.open_allocator(LAYOUT, member_config(share, (0, 0))) as busy:
+        held = await busy.alloc(BUDGET_PAGES * BLOCKS_PER_PAGE, timeout=DEADLINE)
+        faults.delay(600.0)  # every map of the fresh pool stays in the mapper until released
+        async with kvasync.open_allocator(LAYOUT, member_config(share, (1, 2), faults)) as fresh:
+            assert fresh.stats().mapping_pages == 0  # the whole budget is the busy one's
+            first = asyncio.create_task(fresh.alloc(BLOCKS_PER_PAGE, timeout=DEADLINE))
+            await wait_until(lambda: fresh.stats().waiters == 1, DEADLINE)
+            # One page comes back: page 0 is charged for the first alloc, its map held.
+            busy.free(page_blocks(held, 0))
+            await wait_until(lambda: fresh.stats().mapper_op == "map of 1 page(s)", DEADLINE)
+
+            holder = lock_holder()
+            assert holder.stdout is not None
+            ready, _, _ = select.select([holder.stdout], [], [], DEADLINE)
+            assert ready and holder.stdout.readline().strip() == "taking"
+            await wait_until(lambda: lock_taken(share), DEADLINE)
+            # Two pages more come back while the lock is held; nothing can be charged.
+            busy.free(page_blocks(held, 1) + page_blocks(held, 2))
+            await wait_until(lambda: busy.stats().mapped_pages == 5, DEADLINE)
+            await wait_until(lambda: busy.stats().inflight_pages == 0, DEADLINE)
+            # The second alloc needs page 1: its map is queued uncharged, behind page 0's.
+            second = asyncio.create_task(fresh.alloc(1, timeout=DEADLINE))
+            await wait_until(
+                lambda: fresh.stats().waiters == 2 and fresh.stats().queued_jobs == 1, DEADLINE
+            )
+            holder.kill()
+            holder.wait(timeout=DEADLINE)
+            await wait_until(lambda: not lock_taken(share), DEADLINE)
+            # The lock is free: this alloc plans a refill on this thread (its own blocks are on
+            # their way). It took the two pages left, and page 1 was refused: the second alloc
+            # came from the refill's page 2 (block 32).
+            third = asyncio.create_task(fresh.alloc(1, timeout=DEADLINE))
+            await wait_until(lambda: fresh.stats().waiters == 3, DEADLINE)
+            faults.release()
+            assert sorted(await first) == list(range(BLOCKS_PER_PAGE))
+            assert await second == [BLOCKS_PER_PAGE]
+            assert await third == [BLOCKS_PER_PAGE + 1]

@@ -388,6 +388,7 @@ std::vector<int64_t> PagePool::highest_reserve(int64_t max_pages) const {
 
 void PagePool::push_job(Job job) {
   job.seq = next_job_seq_++;
+  if (job.charge_pending) uncharged_pages_ += static_cast<int64_t>(job.pages.size());
   (job.kind == JobKind::kUnmap ? unmaps_in_flight_ : maps_in_flight_).insert(job.seq);
   jobs_[job.deadline].push_back(std::move(job));
   trace::mark(trace::kJobQueued);
@@ -450,7 +451,8 @@ void PagePool::plan_maps() {
 }
 
 void PagePool::plan_refill() {
-  if (closed_) return;
+  // Note [Budget off the caller's thread]: a map for demand still to be charged goes first.
+  if (closed_ || uncharged_pages_ > 0) return;
   const int64_t have = count_[(int)PageState::kFree] + refill_pages_;
   const int64_t want = policy_.refill_wanted(have, headroom_pages());  // Note [Limit policy]
   if (want <= 0) return;
@@ -919,7 +921,9 @@ void PagePool::revert_job(const Job& job) {
   if (job.kind == JobKind::kRefill) refill_pages_ -= static_cast<int64_t>(job.pages.size());
   job_left_flight(job);
   // A job still waiting for its charge was never charged (Note [Budget off the caller's thread]).
-  if (job.kind != JobKind::kUnmap && !job.charge_pending) {
+  if (job.charge_pending) {
+    uncharged_pages_ -= static_cast<int64_t>(job.pages.size());
+  } else if (job.kind != JobKind::kUnmap) {
     release_share(static_cast<int64_t>(job.pages.size()));
   }
 }
@@ -1204,6 +1208,7 @@ void PagePool::charge_pending(std::vector<Job>& batch) {
   for (Job& job : batch) {
     if (!job.charge_pending) continue;
     job.charge_pending = false;
+    uncharged_pages_ -= static_cast<int64_t>(job.pages.size());
     const int64_t keep = std::min<int64_t>(granted, static_cast<int64_t>(job.pages.size()));
     granted -= keep;
     for (size_t k = static_cast<size_t>(keep); k < job.pages.size(); ++k) {

@@ -71,11 +71,14 @@
 // mutex_, so there a charge only *tries* the lock, never waits for it: when it is busy, a map
 // for demand (a waiter, alloc_nowait) is queued uncharged (Job::charge_pending) and the mapper
 // charges it before running it, waiting for the lock there (mutex_ not held) with a deadline; a
-// refill is dropped (the reserve is never a dependency). Pages not granted go back unmapped. A
-// lock that stayed busy is not a budget shortage: the pool does not mark itself blocked (which
-// would make the other members give memory back for nothing); the watcher's next tick plans the
-// map again, and a waiter that times out meanwhile names the lock's holder. Members keep serving
-// from the blocks they have mapped: only new maps need the lock.
+// refill is dropped (the reserve is never a dependency), and none is planned while such a map
+// waits for its charge: a refill that found the lock free in the meantime would take the budget
+// that map waits for (a fresh pool's page 0 then lost to the refill's higher pages). Pages not
+// granted go back unmapped. A lock that stayed busy is not a budget shortage: the pool does
+// not mark itself blocked (which would make the other members give memory back for nothing);
+// the watcher's next tick plans the map again, and a waiter that times out meanwhile names the
+// lock's holder. Members keep serving from the blocks they have mapped: only new maps need the
+// lock.
 //
 // lock order: GIL -> PagePool::mutex_ -> CompletionQueue::mutex_
 #pragma once
@@ -316,6 +319,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t waiting_blocks_ = 0;        // sum of waiters' n
   int64_t incoming_for_waiters_ = 0;  // blocks of kMapping pages of kMapForRequest jobs
   int64_t refill_pages_ = 0;          // kMapping pages of kRefill jobs
+  // Pages of queued maps still to be charged (Job::charge_pending): no refill meanwhile (Note
+  // [Budget off the caller's thread]).
+  int64_t uncharged_pages_ = 0;
   LimitPolicy policy_;  // Note [Limit policy]
   int64_t maps_done_ = 0, unmaps_done_ = 0, map_errors_ = 0, dropped_jobs_ = 0, timeouts_ = 0;
   int64_t batches_ = 0;  // backend batches the mapper ran
