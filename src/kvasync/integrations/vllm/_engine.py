@@ -67,15 +67,22 @@ def take_engine() -> EngineKV | None:
 def hold_null_block(kv: SyncAllocator, timeout: float) -> None:
     """Allocates kvasync block 0 and keeps it: vLLM's null block.
 
-    vLLM pads block tables with block 0 and its dummy runs write their KV there, so block 0 is on
-    a mapped page for the engine's whole life. The pool hands out the lowest page with a free
-    block first, but a fresh pool's first blocks need not come from page 0: when page 0's map
-    is not there yet (a refill that failed or waits for the share's budget, while the map asked
-    for this alloc landed on a higher page), the first blocks come from a higher page. So blocks
-    are taken, and held, until block 0 comes: once every mapped free block is held the next
-    alloc maps the lowest unmapped page, and a page 0 that lands meanwhile is the lowest with a
-    free block. Everything taken but block 0 is freed. (Seen on the H200: a second engine
-    starting beside a busy one in an 8 GiB share got 64 blocks of another page first.)
+    vLLM pads block tables with block 0 and its dummy runs write their KV there, so block 0 is on a
+    mapped page for the engine's whole life. The pool hands out the lowest page with a free block
+    first, but a fresh pool's first blocks need not come from page 0: when page 0's map is not there
+    yet and the map asked for this alloc lands first, the first blocks come from a higher page. By
+    design, e.g.: the refill of pages 0..r-1 fails, or is queued (by a watcher tick after the share
+    refused the open's refill) just after this alloc read the clock for its deadline, so the alloc's
+    own map of page r has the earlier deadline and runs first (a CPU stress of fresh pools beside a
+    member churning at the share's budget: 2 of 2550 starts after the pool fixes below, the one
+    traced this way). So blocks are taken, and held, until block 0 comes: once every mapped free
+    block is held the next alloc maps the lowest unmapped page, and a page 0 that lands meanwhile is
+    the lowest with a free block. Everything taken but block 0 is freed. (Seen on the H200: a second
+    engine starting beside a busy one in an 8 GiB share got 64 blocks of another page first. In that
+    stress, 47 of 1030 starts did, by two pool bugs fixed since (tests/test_pool_fresh_in_share.py):
+    the drain under a fair share that fell while the first maps were in flight unmapped page 0 and
+    served a higher page; and a refill took the budget of page 0's map queued while the ledger's
+    lock was busy.)
 
     Raises:
         RuntimeError: the allocator has blocks allocated already (it is not fresh).
