@@ -15,15 +15,20 @@ if not torch.cuda.is_available():
 # -- allocator fixtures -----------------------------------------------------------------------
 import asyncio
 import contextlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import kvasync
+from kvasync import ledger
 
 
 def _has_cuda_driver() -> bool:
@@ -140,3 +145,43 @@ def serving(config: Any, **options: Any) -> Iterator[str]:
         thread.join(timeout=15)
         sock.close()
     assert not thread.is_alive(), "the server did not stop within 15 s"
+
+
+# -- a device share of one test: its name, and a process holding its ledger's lock -------------
+
+
+@pytest.fixture
+def share() -> Iterator[str]:
+    """A fresh share name; its ledger file is removed after the test."""
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield name
+    if os.path.exists(ledger.path(name)):
+        os.unlink(ledger.path(name))
+
+
+@pytest.fixture
+def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
+    """Starts a second process that takes the share's ledger lock and keeps it; at teardown it
+    is continued (a test may have stopped it) and killed."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start() -> subprocess.Popen[str]:
+        code = (
+            "import sys; from kvasync import _core; print('taking', flush=True); "
+            "_core.ledger_hold_lock_for_test(sys.argv[1], 600.0)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, ledger.path(share)], stdout=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(timeout=10.0)
+            if proc.stdout is not None:
+                proc.stdout.close()

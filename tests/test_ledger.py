@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -92,15 +91,6 @@ class Worker:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
-
-
-@pytest.fixture
-def share() -> Iterator[str]:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    for leftover in (ledger.path(name),):
-        if os.path.exists(leftover):
-            os.unlink(leftover)
 
 
 @pytest.fixture

@@ -22,14 +22,10 @@ or slow a map in the mapper to order the landings.
 from __future__ import annotations
 
 import asyncio
-import os
 import select
 import subprocess
-import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import torch
 from conftest import wait_until
 
@@ -42,14 +38,6 @@ LAYOUT = kvasync.KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)  # 4 Ki
 PAGE = 64 << 10
 BLOCKS_PER_PAGE = 16
 BUDGET_PAGES = 8
-
-
-@pytest.fixture
-def share() -> Iterator[str]:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    if os.path.exists(ledger.path(name)):
-        os.unlink(ledger.path(name))
 
 
 def member_config(
@@ -132,32 +120,6 @@ async def test_the_first_block_is_0_when_the_fair_share_falls_as_its_own_page_la
             await wait_until(lambda: fresh.stats().maps_done == 3, DEADLINE)
             await wait_until(lambda: fresh.stats().mapped_pages == 1, DEADLINE)
             fresh.free([0])
-
-
-@pytest.fixture
-def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
-    """Starts a process that takes the share's ledger lock and keeps it until killed."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start() -> subprocess.Popen[str]:
-        code = (
-            "import sys; from kvasync import _core; print('taking', flush=True); "
-            "_core.ledger_hold_lock_for_test(sys.argv[1], 600.0)"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, ledger.path(share)], stdout=subprocess.PIPE, text=True
-        )
-        started.append(proc)
-        return proc
-
-    try:
-        yield start
-    finally:
-        for proc in started:
-            proc.kill()
-            proc.wait(timeout=DEADLINE)
-            if proc.stdout is not None:
-                proc.stdout.close()
 
 
 def lock_taken(share: str) -> bool:

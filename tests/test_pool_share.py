@@ -11,10 +11,8 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from conftest import wait_until
@@ -27,14 +25,6 @@ BLOCKS_PER_PAGE = 4
 LAYOUT = kvasync.KVLayout(
     num_layers=4, num_kv_heads=8, head_dim=128, block_size=32, contiguous=True
 )
-
-
-@pytest.fixture
-def share() -> Iterator[str]:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    yield name
-    if os.path.exists(ledger.path(name)):
-        os.unlink(ledger.path(name))
 
 
 def share_config(
@@ -74,34 +64,6 @@ async def test_alloc_nowait_maps_no_more_than_the_share_budget(share: str) -> No
         await kv.trim(timeout=5.0)
         (entry,) = ledger.snapshot(share)  # raised "ledger is corrupt" when it went negative
         assert entry.committed_bytes == 0
-
-
-@pytest.fixture
-def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
-    """Starts a second process that takes the share's ledger lock and keeps it; at teardown it
-    is continued (it may be stopped) and killed."""
-    started: list[subprocess.Popen[str]] = []
-
-    def start() -> subprocess.Popen[str]:
-        code = (
-            "import sys; from kvasync import _core; print('taking', flush=True); "
-            "_core.ledger_hold_lock_for_test(sys.argv[1], 600.0)"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, ledger.path(share)], stdout=subprocess.PIPE, text=True
-        )
-        started.append(proc)
-        return proc
-
-    try:
-        yield start
-    finally:
-        for proc in started:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            proc.wait(timeout=10.0)
-            if proc.stdout is not None:
-                proc.stdout.close()
 
 
 def lock_taken(share: str) -> bool:
