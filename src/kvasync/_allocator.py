@@ -332,8 +332,10 @@ class Allocator:
         others are held to theirs while it waits). Free blocks of draining pages do not count
         (see ``drain_from``). 0 once closed.
         """
-        self._check_process()
-        return int(self._pool.available_blocks())
+        if self._opened_in != _Process.pid:  # Note [Fork]; inline: read every scheduler step
+            raise _forked_error(self._opened_in)
+        available: int = self._pool.available_blocks()
+        return available
 
     def set_demand(self, blocks: int) -> None:
         """Reports the blocks this allocator's user wants now: those it holds plus those it is
