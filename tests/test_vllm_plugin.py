@@ -491,6 +491,92 @@ def test_requests_grow_and_shrink_through_vllms_manager(
     wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping after the requests ended")
 
 
+def test_the_count_reads_its_arguments_in_either_checked_signature() -> None:
+    # vLLM 0.26's signature is passed on as it is; 0.33's (prefill_end added) is read by name.
+    def stock_026(
+        self: Any,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        self.calls.append((num_tokens, apply_admission_cap))
+        return int(num_tokens // 16)
+
+    def stock_033(
+        self: Any,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int | None = None,
+    ) -> int:
+        self.calls.append((num_tokens, apply_admission_cap, prefill_end))
+        return int(num_tokens // 16)
+
+    class Demands:
+        """A coordinator's block pool as the count sees it: what it was told."""
+
+        def __init__(self) -> None:
+            self.told: list[Demand] = []
+            self.expect = self.told.append
+
+    class Coordinator:
+        def __init__(self) -> None:
+            self.block_pool = Demands()
+            self.calls: list[tuple[Any, ...]] = []
+
+    for stock in (stock_026, stock_033):
+        count = counting_demand(stock)
+        coordinator = Coordinator()
+        by_keyword = dict(
+            request_id="r",
+            new_computed_blocks=(),
+            num_encoder_tokens=0,
+            total_computed_tokens=32,
+            num_tokens_main_model=64,
+        )
+        assert count(coordinator, num_tokens=64, num_local_computed_tokens=32, **by_keyword) == 4
+        assert count(coordinator, "r", 8, (), 0, 0, 0, 8) == 0
+        assert count(coordinator, "r", 48, (), 0, 0, 16, 48, True) == 3
+        assert (
+            count(
+                coordinator,
+                num_tokens=32,
+                num_local_computed_tokens=0,
+                apply_admission_cap=False,
+                **by_keyword,
+            )
+            == 2
+        )
+        # Running: computed tokens before, no new prefix hit, not an admission check.
+        assert coordinator.block_pool.told == [
+            Demand(4, True),
+            Demand(0, False),
+            Demand(3, False),
+            Demand(2, False),
+        ]
+        defaults = (False,) if stock is stock_026 else (False, None)
+        assert [call[1:] for call in coordinator.calls] == [
+            defaults,
+            defaults,
+            (True, *defaults[1:]),
+            defaults,
+        ]
+    # A coordinator whose pool is not kvasync's is counted for as stock counts, and told nothing.
+    plain = Coordinator()
+    plain.block_pool = object()  # type: ignore[assignment]
+    assert counting_demand(stock_026)(plain, "r", 64, (), 0, 32, 32, 64) == 4
+
+
 def open_faulty_engine(engines: list[EngineKV], num_blocks: int, faults: Any) -> EngineKV:
     """host_engine's allocator with a small reserve and ``faults`` in its mapper thread."""
     layout = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)

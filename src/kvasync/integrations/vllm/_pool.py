@@ -131,10 +131,61 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
     """``KVCacheCoordinator.get_num_blocks_to_allocate`` that also tells the coordinator's
     pool the demand it counted (Note [Count only what is mapped]).
 
-    Its parameters are the checked ones of this vLLM (0.33 added ``prefill_end``): the three it
-    reads are found by name, positionally or by keyword.
+    Its parameters are the checked ones of this vLLM (0.33 added ``prefill_end``). vLLM calls it
+    for every running request every step, by keyword: with 0.26's parameters the wrapper has
+    them too, and stock's defaults, so that a call passes them on as they are; with others the
+    three it reads are found by name, positionally or by keyword.
     """
-    names = list(inspect.signature(stock).parameters)
+    parameters = inspect.signature(stock).parameters
+    names = list(parameters)
+
+    def counted(blocks: int, admission: Any, local_computed: Any, new_computed: Any) -> Demand:
+        # Running: it computed tokens before and hits no new prefix; an admission check (the
+        # full sequence of a waiting request) is not. Not for a count of no block (the hot
+        # path, every running request every step: _NO_BLOCKS, no argument read).
+        return Demand(blocks, not admission and local_computed > 0 and not any(new_computed))
+
+    def get_num_blocks_to_allocate_026(
+        self: Any,
+        request_id: Any,
+        num_tokens: Any,
+        new_computed_blocks: Any,
+        num_encoder_tokens: Any,
+        total_computed_tokens: Any,
+        num_local_computed_tokens: Any,
+        num_tokens_main_model: Any,
+        apply_admission_cap: Any,
+    ) -> int:
+        blocks = stock(
+            self,
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+        )
+        try:
+            expect = self.block_pool.expect
+        except AttributeError:  # not kvasync's pool
+            return blocks
+        expect(
+            _NO_BLOCKS
+            if blocks == 0
+            else counted(
+                blocks, apply_admission_cap, num_local_computed_tokens, new_computed_blocks
+            )
+        )
+        return blocks
+
+    fixed = inspect.signature(get_num_blocks_to_allocate_026).parameters
+    if names == list(fixed) and all(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters.values()):
+        defaults = tuple(p.default for p in parameters.values() if p.default is not p.empty)
+        get_num_blocks_to_allocate_026.__defaults__ = defaults or None
+        return get_num_blocks_to_allocate_026
+
     computed_at = names.index("new_computed_blocks")
     local_at = names.index("num_local_computed_tokens")
     admission_at = names.index("apply_admission_cap")
@@ -144,20 +195,19 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
         return args[at - 1] if len(args) >= at else kwargs.get(names[at], default)
 
     def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
-        blocks = int(stock(self, *args, **kwargs))
+        blocks = stock(self, *args, **kwargs)
         expect = getattr(self.block_pool, "expect", None)
-        if expect is not None and blocks == 0:
-            # The hot path, every running request every step: no arguments to read.
-            expect(_NO_BLOCKS)
-        elif expect is not None:
-            # Running: it computed tokens before and hits no new prefix; an admission check
-            # (the full sequence of a waiting request) is not.
-            running = (
-                not argument(args, kwargs, admission_at, False)
-                and argument(args, kwargs, local_at, 0) > 0
-                and not any(argument(args, kwargs, computed_at, ()))
+        if expect is not None:
+            expect(
+                counted(
+                    blocks,
+                    argument(args, kwargs, admission_at, False),
+                    argument(args, kwargs, local_at, 0),
+                    argument(args, kwargs, computed_at, ()),
+                )
+                if blocks
+                else _NO_BLOCKS
             )
-            expect(Demand(blocks, running))
         return blocks
 
     return get_num_blocks_to_allocate
@@ -293,7 +343,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
                 self._may_evict = 0
                 return self.num_free_blocks_now()
-            queued = int(self.cached_free_queue.num_free_blocks)
+            queued: int = self.cached_free_queue.num_free_blocks
             if demand.blocks == 0 and not self._pocket:
                 # The hot path, every running request every step: nothing to take or give
                 # back, so what _promise counts is the headroom alone.
