@@ -491,6 +491,50 @@ def test_requests_grow_and_shrink_through_vllms_manager(
     wait_until(lambda: kv.stats().mapped_pages <= 3, "unmapping after the requests ended")
 
 
+def usage_by_the_allocator(pool: Any, kv: Any) -> float:
+    """vLLM's usage as the allocator's stats say it: blocks requests and the prefix cache hold
+    (used less the null block and the pocket) over those and what the budget still allows.
+
+    Read once the mapper is idle: a page on its way in or out moves ``available_blocks``
+    between two reads."""
+    wait_until(
+        lambda: kv.stats().inflight_pages == 0 and kv.stats().queued_jobs == 0,
+        "the mapper settled",
+    )
+    used = kv.stats().used_blocks - 1
+    return (used - pool.num_pocket_blocks) / (used + kv.available_blocks())
+
+
+@needs_vllm
+def test_usage_is_what_the_allocator_says_requests_and_the_prefix_cache_hold(
+    monkeypatch: pytest.MonkeyPatch, engines: list[EngineKV]
+) -> None:
+    # The pool counts the blocks it takes and gives back, so that the per-step usage needs no
+    # stats snapshot: the count must be the allocator's through every path.
+    engine = open_engine(engines, 1024, prefix_cache_blocks=20)
+    manager = make_manager(monkeypatch, engine, caching=True)
+    pool, kv = manager.block_pool, engine.allocator
+    assert usage_by_the_allocator(pool, kv) == pool.get_usage() == 0.0
+    requests = [make_request(str(i), 200 + 30 * i, first_token=500 * i) for i in range(6)]
+    for request in requests:
+        allocate_when_mapped(manager, request, request.num_tokens)
+        assert usage_by_the_allocator(pool, kv) == pool.get_usage()
+
+    def promised() -> bool:  # counted, as vLLM retries a miss, until the mapper has the pages
+        pool.expect(Demand(7, running=False))
+        pool.get_num_free_blocks()
+        return bool(pool.num_pocket_blocks == 7)
+
+    wait_until(promised, "7 blocks promised")  # promised, not yet taken: free, not used
+    assert usage_by_the_allocator(pool, kv) == pool.get_usage() > 0.0
+    for request in requests:  # full blocks cached up to the bound, the rest given back
+        manager.free(request)
+        assert usage_by_the_allocator(pool, kv) == pool.get_usage()
+    assert pool.cached_free_queue.num_free_blocks == 20
+    assert manager.reset_prefix_cache()
+    assert usage_by_the_allocator(pool, kv) == pool.get_usage() == 0.0
+
+
 def test_the_count_reads_its_arguments_in_either_checked_signature() -> None:
     # vLLM 0.26's signature is passed on as it is; 0.33's (prefill_end added) is read by name.
     def stock_026(

@@ -327,6 +327,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
             self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
+            # Taken from the allocator and not given back: the pocket, vLLM's queue and what
+            # requests hold; the allocator's used blocks less the null block, kept here so that
+            # the per-step usage builds no stats snapshot.
+            self._taken = engine.allocator.stats().used_blocks - 1
             self._demand: Demand | None = None  # counted by the coordinator, not yet answered
             self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
             self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
@@ -373,6 +377,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 rest -= evict
             if rest > 0:
                 fresh = self._take(rest, self.cached_free_queue.num_free_blocks)
+                self._taken += len(fresh)
                 for block in (blocks[i] for i in fresh):
                     block.ref_cnt = 1
                     if self.metrics_collector:
@@ -436,9 +441,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             return True
 
         def get_usage(self) -> float:
-            # The share of what the budget allows that requests and the prefix cache use.
-            used = self._kv.stats().used_blocks - 1 - len(self._pocket)
-            total = used + len(self._pocket) + self._kv.available_blocks()
+            # The share of what the budget allows that requests and the prefix cache use: read
+            # every step (vLLM's stats), so from the pool's count, not a stats snapshot.
+            used = self._taken - len(self._pocket)
+            total = self._taken + self._available_blocks()
             return used / total if total > 0 else 1.0
 
         # -- kvasync's side --------------------------------------------------------------------
@@ -477,9 +483,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if k <= 0:
                 return []
             try:
-                return list(self._kv.alloc_nowait(k))
+                ids = list(self._kv.alloc_nowait(k))
             except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
                 return []
+            self._taken += len(ids)
+            return ids
 
         def _promise(self, demand: Demand, queued: int) -> int:
             """The free count for ``demand`` (Note [Count only what is mapped])."""
@@ -489,7 +497,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             short = n - len(self._pocket)
             if short > 0:
                 try:  # the hot path: mapped free blocks, taken in one call
-                    self._pocket += kv.alloc_nowait(short)
+                    taken = kv.alloc_nowait(short)
+                    self._taken += len(taken)
+                    self._pocket += taken
                 except (WouldBlock, OutOfBlocks):
                     # The miss asked the mapper for what the budget allows of the shortfall
                     # (mapping ahead, in the background); take what is mapped now.
@@ -520,6 +530,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 # Never handed to vLLM (no GPU work to wait for); last first, so that they come
                 # out again in the order they were taken (Note [Who owns a free block]).
                 self._kv.free(surplus[::-1])
+                self._taken -= len(surplus)
 
         def _evict(self, n: int) -> list[Any]:
             """``n`` blocks from vLLM's queue, first freed first, their cache entries dropped."""
@@ -566,6 +577,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
             # block]).
             self._kv.free([b.block_id for b in reversed(blocks)], after=after)
+            self._taken -= len(blocks)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
             """vLLM 0.33's ``unpin_blocks``: a block released with a watcher stays readable
@@ -590,6 +602,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._pocket = [i for i in pocket if i < drain]
                 if len(self._pocket) < len(pocket):
                     self._kv.free([i for i in pocket if i >= drain])
+                    self._taken -= len(pocket) - len(self._pocket)
             if keep is not None and queue.num_free_blocks > keep:
                 surplus = queue.popleft_n(queue.num_free_blocks - keep)
                 for block in surplus:
