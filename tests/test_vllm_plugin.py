@@ -324,6 +324,32 @@ def test_cached_prefixes_are_evicted_first_freed_first_for_what_the_limit_lacks(
 
 
 @needs_vllm
+def test_an_uncounted_call_that_cannot_be_served_hands_out_nothing_and_keeps_nothing(
+    engines: list[EngineKV],
+) -> None:
+    # vLLM's get_new_blocks takes nothing when it cannot hand out every block. Here the mapped
+    # free blocks are taken before the allocator is asked for the rest: when it cannot give
+    # them (the limit), those taken must go back, or they are held by nobody, counted used for
+    # good (get_usage, reset_prefix_cache).
+    engine = open_engine(engines, 1024, memory_limit=8 * 64 << 10)  # 128 blocks, null's included
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    wait_until(lambda: kv.stats().free_blocks > 0, "mapped free blocks")
+    pocketed = 3
+    pool.expect(Demand(pocketed, running=False))
+    pool.get_num_free_blocks()
+    assert pool.num_pocket_blocks == pocketed
+    with pytest.raises(OutOfBlocks):
+        pool.get_new_blocks(2 * 8 * BLOCKS_PER_PAGE)  # more than the limit ever holds
+    assert pool.num_pocket_blocks == pocketed  # the promise still stands
+    assert kv.stats().used_blocks == 1 + pocketed
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+    assert pool.get_usage() == 0.0
+    assert len(pool.get_new_blocks(pocketed)) == pocketed
+    assert pool.num_pocket_blocks == 0
+
+
+@needs_vllm
 def test_free_block_queue_counts_every_free_mapped_block_when_read(
     engines: list[EngineKV],
 ) -> None:

@@ -361,30 +361,33 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # The pocket (promised by the count), then mapped free blocks, then the cached blocks
             # the count let go; only a call vLLM did not count reaches the allocator's wait.
             ids = self._from_pocket(num_blocks)
-            if len(ids) < num_blocks:
-                ids += self._mapped_now(num_blocks - len(ids))
+            pocketed = len(ids)
+            queued = int(self.cached_free_queue.num_free_blocks)
+            # The allocator's part can fail (a call vLLM did not count, past what the limit
+            # allows), so it comes before any block is handed out or prefix dropped: as in
+            # vLLM's pool, a call that fails takes nothing.
+            try:
+                if pocketed < num_blocks:
+                    ids += self._mapped_now(num_blocks - pocketed)
+                rest = num_blocks - len(ids)
+                evict = min(rest, self._may_evict, queued)
+                if rest > evict:
+                    fresh = self._take(rest - evict, queued - evict)
+                    self._taken += len(fresh)
+                    ids += fresh
+            except BaseException:
+                self._pocket[:0] = ids[:pocketed]  # the promise stands
+                self._give_back(ids[pocketed:])
+                raise
+            self._may_evict -= evict
             blocks = self.blocks
             taken = [blocks[i] for i in ids]
             for block in taken:
                 block.ref_cnt = 1
                 if self.metrics_collector:
                     self.metrics_collector.on_block_allocated(block)
-            rest = num_blocks - len(taken)
-            evict = min(rest, self._may_evict, int(self.cached_free_queue.num_free_blocks))
-            if evict > 0:
-                self._may_evict -= evict
-                taken.extend(self._evict(evict))
-                rest -= evict
-            if rest > 0:
-                fresh = self._take(rest, self.cached_free_queue.num_free_blocks)
-                self._taken += len(fresh)
-                for block in (blocks[i] for i in fresh):
-                    block.ref_cnt = 1
-                    if self.metrics_collector:
-                        self.metrics_collector.on_block_allocated(block)
-                    taken.append(block)
-                if len(fresh) < rest:
-                    taken.extend(self._evict(rest - len(fresh)))
+            if len(taken) < num_blocks:  # what the count let go, and what _take left to evict
+                taken.extend(self._evict(num_blocks - len(taken)))
             return taken
 
         def free_blocks(self, ordered_blocks: Any) -> None:
@@ -527,10 +530,15 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _give_back_pocket(self, keep: int) -> None:
             if len(self._pocket) > keep:
                 surplus, self._pocket = self._pocket[keep:], self._pocket[:keep]
-                # Never handed to vLLM (no GPU work to wait for); last first, so that they come
-                # out again in the order they were taken (Note [Who owns a free block]).
-                self._kv.free(surplus[::-1])
-                self._taken -= len(surplus)
+                self._give_back(surplus)
+
+        def _give_back(self, ids: list[int]) -> None:
+            """Gives back blocks taken from the allocator and never handed to vLLM (no GPU work
+            to wait for); last first, so that they come out again in the order they were taken
+            (Note [Who owns a free block])."""
+            if ids:
+                self._kv.free(ids[::-1])
+                self._taken -= len(ids)
 
         def _evict(self, n: int) -> list[Any]:
             """``n`` blocks from vLLM's queue, first freed first, their cache entries dropped."""
@@ -600,9 +608,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._release(draining)
                 pocket = self._pocket
                 self._pocket = [i for i in pocket if i < drain]
-                if len(self._pocket) < len(pocket):
-                    self._kv.free([i for i in pocket if i >= drain])
-                    self._taken -= len(pocket) - len(self._pocket)
+                self._give_back([i for i in pocket if i >= drain])
             if keep is not None and queue.num_free_blocks > keep:
                 surplus = queue.popleft_n(queue.num_free_blocks - keep)
                 for block in surplus:
