@@ -18,21 +18,30 @@ from kvasync.integrations.vllm._engine import hold_null_block
 from kvasync.testing import FaultInjector
 
 DEADLINE = 10.0
-# 4 KiB blocks on 512 KiB pages: 128 blocks a page, more than a first try takes.
+# 4 KiB blocks.
 LAYOUT = KVLayout(1, 1, 256, 16, dtype=torch.int8, kv_buffers=1)
-PAGE = 512 << 10
-BLOCKS_PER_PAGE = 128
+BLOCK = 4 << 10
 
 
-def test_the_null_block_comes_when_page_0_maps_after_a_higher_page() -> None:
+@pytest.mark.parametrize(
+    ("blocks_per_page", "limit_pages"),
+    [
+        (128, None),  # more blocks on the higher page than the first tries take
+        (16, 3),  # a memory limit of 48 blocks: fewer than a whole try takes
+    ],
+)
+def test_the_null_block_comes_when_page_0_maps_after_a_higher_page(
+    blocks_per_page: int, limit_pages: int | None
+) -> None:
     faults = FaultInjector()
     # The reserve's first refill (pages 0 and 1) is slow inside the mapper; its delay is cut
     # short below, once a failure is armed for it.
     faults.delay(DEADLINE)
     config = Config(
         backend="host",
-        max_blocks=8 * BLOCKS_PER_PAGE,
-        page_size=PAGE,
+        max_blocks=8 * blocks_per_page,
+        page_size=blocks_per_page * BLOCK,
+        memory_limit=None if limit_pages is None else limit_pages * blocks_per_page * BLOCK,
         reserve_pages=(2, 2),
         faults=faults,
         default_timeout=DEADLINE,

@@ -105,7 +105,14 @@ def hold_null_block(kv: SyncAllocator, timeout: float) -> None:
                 taken.extend(got)
                 return
             taken.extend(got)
-            chunk = _NULL_BLOCK_CHUNK
+            # Within the memory limit: a chunk past it would wait for blocks nobody frees.
+            room = kv.stats().memory_limit_blocks - len(taken)
+            if room <= 0:
+                raise RuntimeError(
+                    f"kvasync's vLLM plugin: block 0 (vLLM's null block) did not come within the "
+                    f"memory limit's {len(taken)} blocks; the allocator must be fresh"
+                )
+            chunk = min(_NULL_BLOCK_CHUNK, room)
     finally:
         if taken:
             kv.free(taken)
