@@ -214,6 +214,7 @@ def pool_at(rev: str) -> Any:
         check=True,
         capture_output=True,
         text=True,
+        timeout=60,
     ).stdout
     fd, path = tempfile.mkstemp(prefix="kvasync_pool_", suffix=".py")
     with os.fdopen(fd, "w") as f:

@@ -60,7 +60,11 @@
 //    *committed* (RankMapper::committed_page_ids) when the job that mapped it is at or below that
 //    word. No rollback can be pending for such a page: a rollback is posted before the map's
 //    outcome returns, so before any later commit, and a rank acks the committed job only after
-//    every job before it in its ring, the rollback included. (The vLLM plugin's worker waited for
+//    every job before it in its ring, the rollback included. This needs the group's maps to run
+//    one at a time, as the pool's one mapper thread calls GroupBackend::map: two maps at once
+//    could commit the later before the earlier's rollback is posted. (A rank whose unmap failed
+//    keeps listing that page as committed until it is mapped again: harmless for the null block,
+//    which is never unmapped while the engine runs.) (The vLLM plugin's worker waited for
 //    the null block's page in its own record and zeroed it; when the other rank failed that map,
 //    or was late, as ranks join under load, the rollback unmapped the page under the write and
 //    the worker died of SIGSEGV: seen with tests/test_vllm_plugin.py's rank processes and a rank
