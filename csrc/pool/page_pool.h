@@ -138,6 +138,9 @@ struct Job {
 // One job holding the pages of `jobs` (map jobs, run as one batch).
 Job merge_jobs(const std::vector<Job>& jobs);
 
+// "map", "refill" or "unmap": how stats and the share's ledger name the mapper's current job.
+const char* job_name(JobKind kind);
+
 struct PoolStats {
   int64_t num_blocks, used_blocks, free_blocks, mapped_pages, reserve_pages, mapping_pages,
       unmapping_pages, unmapped_pages, waiters, queued_jobs, mapper_batches, maps_done, unmaps_done,
