@@ -267,6 +267,32 @@ def test_cached_blocks_stay_mapped_for_prefix_reuse_within_their_bound(
     assert len(pool.cached_block_hash_to_block) == 0
 
 
+@needs_vllm
+def test_a_free_cached_block_evicted_by_id_goes_back_to_kvasync(
+    engines: list[EngineKV],
+) -> None:
+    # vLLM's evict_blocks (a KV connector's failed load) drops cache entries by block id: a free
+    # block then has no entry, and must not keep a prefix-cache slot in vLLM's queue.
+    engine = open_engine(engines, 256, prefix_cache_blocks=5)
+    pool = make_pool(engine, caching=True)
+    kv = engine.allocator
+    blocks = pool.get_new_blocks(3)
+    cache_blocks(pool, blocks)
+    pool.free_blocks(blocks[:2])  # two free and cached, one in use and cached
+    assert pool.cached_free_queue.num_free_blocks == 2
+    assert kv.stats().used_blocks == 1 + 3
+    pool.evict_blocks({blocks[0].block_id, blocks[2].block_id})
+    assert [b.block_id for b in pool.cached_free_queue.get_all_free_blocks()] == [
+        blocks[1].block_id
+    ]
+    assert kv.stats().used_blocks == 1 + 2  # block 0 of the three went back; 2 still used
+    assert blocks[2].block_hash is None and blocks[2].ref_cnt == 1  # in use: kept, entry gone
+    assert len(pool.cached_block_hash_to_block) == 1
+    assert pool.get_usage() == usage_by_the_allocator(pool, kv)
+    pool.free_blocks([blocks[2]])  # no entry: straight back to kvasync
+    assert kv.stats().used_blocks == 1 + 1
+
+
 def cache_blocks(pool: Any, blocks: list[Any]) -> None:
     """Gives each block a prefix-cache entry, as vLLM's cache_full_blocks does."""
     for block in blocks:

@@ -417,6 +417,24 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 owner.free_blocks(blocks)
             self._trim_cached()
 
+        def evict_blocks(self, block_ids: Any) -> None:
+            # vLLM drops the blocks' cache entries (a KV connector reports them unusable); a
+            # free one stays in its queue, where with no entry it would hold a prefix-cache slot
+            # (KVASYNC_PREFIX_CACHE) until evicted: give it back to kvasync now.
+            super().evict_blocks(block_ids)
+            queue = self.cached_free_queue
+            stale = [
+                block
+                for block in (self.blocks[i] for i in block_ids)
+                if block.ref_cnt == 0
+                and block.block_hash is None
+                and not block.is_null
+                and block.prev_free_block is not None  # in vLLM's queue, not kvasync's
+            ]
+            for block in stale:
+                queue.remove(block)
+            self._release(stale)
+
         def reset_prefix_cache(self) -> bool:
             # vLLM counts used blocks as capacity less free; here most of the capacity is
             # unmapped, so count what requests hold: the null block alone when nothing runs.
