@@ -159,6 +159,15 @@ def share() -> Iterator[str]:
         os.unlink(ledger.path(name))
 
 
+def ledger_lock_taken(share: str) -> bool:
+    """Whether another process holds the share's ledger lock (a snapshot cannot take it)."""
+    try:
+        ledger.snapshot(share, timeout=0.01)
+    except kvasync.KVAsyncError:
+        return True
+    return False
+
+
 @pytest.fixture
 def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
     """Starts a second process that takes the share's ledger lock and keeps it; at teardown it

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import wait_until
+from conftest import ledger_lock_taken, wait_until
 
 import kvasync
 from kvasync import _core, ledger
@@ -328,14 +328,7 @@ def test_kill_while_holding_the_lock_blocks_nobody(
     holder.send(cmd="hold_lock", share=share, seconds=60.0)
     assert holder.read(timeout=10.0)["holding"]
 
-    def lock_taken() -> bool:
-        try:
-            ledger.snapshot(share, timeout=0.01)
-        except kvasync.KVAsyncError:
-            return True
-        return False
-
-    wait_for(lock_taken, 5.0, "the helper holds the ledger lock")
+    wait_for(lambda: ledger_lock_taken(share), 5.0, "the helper holds the ledger lock")
     b.send(cmd="alloc", n=4 * BLOCKS_PER_PAGE, timeout=5.0)  # its grant waits for the lock
     killed_at = time.monotonic()
     holder.kill()

@@ -27,10 +27,9 @@ import subprocess
 from collections.abc import Callable
 
 import torch
-from conftest import wait_until
+from conftest import ledger_lock_taken, wait_until
 
 import kvasync
-from kvasync import ledger
 from kvasync.testing import FaultInjector
 
 DEADLINE = 10.0
@@ -122,14 +121,6 @@ async def test_the_first_block_is_0_when_the_fair_share_falls_as_its_own_page_la
             fresh.free([0])
 
 
-def lock_taken(share: str) -> bool:
-    try:
-        ledger.snapshot(share, timeout=0.01)
-    except kvasync.KVAsyncError:
-        return True
-    return False
-
-
 def page_blocks(blocks: list[int], page: int) -> list[int]:
     return [b for b in blocks if b // BLOCKS_PER_PAGE == page]
 
@@ -153,7 +144,7 @@ async def test_a_refill_never_takes_the_budget_a_map_queued_uncharged_waits_for(
             assert holder.stdout is not None
             ready, _, _ = select.select([holder.stdout], [], [], DEADLINE)
             assert ready and holder.stdout.readline().strip() == "taking"
-            await wait_until(lambda: lock_taken(share), DEADLINE)
+            await wait_until(lambda: ledger_lock_taken(share), DEADLINE)
             # Two pages more come back while the lock is held; nothing can be charged.
             busy.free(page_blocks(held, 1) + page_blocks(held, 2))
             await wait_until(lambda: busy.stats().mapped_pages == 5, DEADLINE)
@@ -165,7 +156,7 @@ async def test_a_refill_never_takes_the_budget_a_map_queued_uncharged_waits_for(
             )
             holder.kill()
             holder.wait(timeout=DEADLINE)
-            await wait_until(lambda: not lock_taken(share), DEADLINE)
+            await wait_until(lambda: not ledger_lock_taken(share), DEADLINE)
             # The lock is free: this alloc plans a refill on this thread (its own blocks are on
             # their way). It took the two pages left, and page 1 was refused: the second alloc
             # came from the refill's page 2 (block 32).

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import wait_until
+from conftest import ledger_lock_taken, wait_until
 
 import kvasync
 from kvasync import ledger
@@ -66,14 +66,6 @@ async def test_alloc_nowait_maps_no_more_than_the_share_budget(share: str) -> No
         assert entry.committed_bytes == 0
 
 
-def lock_taken(share: str) -> bool:
-    try:
-        ledger.snapshot(share, timeout=0.01)
-    except kvasync.KVAsyncError:
-        return True
-    return False
-
-
 async def test_a_stopped_ledger_lock_holder_never_stalls_the_callers_thread(
     share: str, lock_holder: Callable[[], subprocess.Popen[str]]
 ) -> None:
@@ -86,7 +78,7 @@ async def test_a_stopped_ledger_lock_holder_never_stalls_the_callers_thread(
         assert holder.stdout is not None
         ready, _, _ = select.select([holder.stdout], [], [], 60.0)
         assert ready and holder.stdout.readline().strip() == "taking"
-        await wait_until(lambda: lock_taken(share), timeout=10.0)
+        await wait_until(lambda: ledger_lock_taken(share), timeout=10.0)
         os.kill(holder.pid, signal.SIGSTOP)  # alive, holding the lock, never letting go
 
         # Each alloc below needs a new page, so it must charge the ledger. The synchronous part

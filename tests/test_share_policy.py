@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ledger_lock_taken
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -333,14 +334,7 @@ def test_joining_while_another_process_holds_the_lock_fails_within_a_second_nami
         worker.stdin.flush()
         assert read(worker)["holding"]  # said just before it takes the lock: wait until it has
 
-        def lock_taken() -> bool:
-            try:
-                ledger.snapshot(share, timeout=0.01)
-            except kvasync.KVAsyncError:
-                return True
-            return False
-
-        wait_for(lock_taken, 5.0, "the worker holds the ledger lock")
+        wait_for(lambda: ledger_lock_taken(share), 5.0, "the worker holds the ledger lock")
         config = kvasync.Config(
             backend="host",
             max_blocks=64,

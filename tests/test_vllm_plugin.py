@@ -243,12 +243,7 @@ def test_cached_blocks_stay_mapped_for_prefix_reuse_within_their_bound(
     pool = make_pool(engine, caching=True)
     kv = engine.allocator
     blocks = pool.get_new_blocks(8)
-    for i, block in enumerate(blocks):
-        key = vllm_block_pool.make_block_hash_with_group_id(
-            vllm_block_pool.BlockHash(bytes([i]) * 32), 0
-        )
-        block.set_block_hash(key, num_tokens=16)
-        pool.cached_block_hash_to_block.insert(key, block)
+    cache_blocks(pool, blocks)
     pool.free_blocks(blocks)
     # Five keep their entry (the last freed, as vLLM evicts the first freed first).
     assert pool.cached_free_queue.num_free_blocks == 5
