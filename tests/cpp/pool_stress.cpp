@@ -910,10 +910,7 @@ class Round {
 int main(int argc, char** argv) {
   double seconds = 10.0;
   uint64_t seed = 7;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--seconds") == 0) seconds = std::atof(argv[i + 1]);
-    if (std::strcmp(argv[i], "--seed") == 0) seed = std::strtoull(argv[i + 1], nullptr, 10);
-  }
+  stress::parse_args(argc, argv, seconds, seed);
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
   std::mt19937_64 rng(seed);

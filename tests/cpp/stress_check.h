@@ -9,6 +9,7 @@
 #include <memory>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -39,6 +40,15 @@ class WrappingBackend : public kvasync::Backend {
  protected:
   std::shared_ptr<Inner> inner_;
 };
+
+// A harness's command line: --seconds S (how long to run) and --seed N (repeats each thread's
+// choices); `seconds` and `seed` keep their defaults where not given.
+inline void parse_args(int argc, char** argv, double& seconds, uint64_t& seed) {
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--seconds") == 0) seconds = std::atof(argv[i + 1]);
+    if (std::strcmp(argv[i], "--seed") == 0) seed = std::strtoull(argv[i + 1], nullptr, 10);
+  }
+}
 
 // The pool's clock in seconds, as its deadlines take them.
 inline double monotonic_s() { return Seconds(kvasync::Clock::now().time_since_epoch()).count(); }
