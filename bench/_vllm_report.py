@@ -43,6 +43,14 @@ def pyplot() -> Any:
     return plt
 
 
+def save_plot(plt: Any, fig: Any, path: pathlib.Path) -> None:
+    """Writes ``fig`` to ``path``, closes it and says where it went."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
 def heading(text: str) -> None:
     print(f"\n### {text}\n", flush=True)
 
@@ -188,10 +196,7 @@ def report_identity(data: dict[str, Any], out: pathlib.Path) -> None:
     ax.set_ylabel("GiB")
     ax.set_title("device memory used and the allocator's mapped KV (kvasync, kvcached), each run")
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "vllm_memory.png", dpi=110)
-    plt.close(fig)
-    print(f"plot: {out / 'vllm_memory.png'}")
+    save_plot(plt, fig, out / "vllm_memory.png")
 
 
 # -- seed A ------------------------------------------------------------------------------------
@@ -290,12 +295,12 @@ def report_seed_a(data: dict[str, Any], out: pathlib.Path) -> None:
             ax.axvspan(s["go_wall"] - t0, s.get("end_wall", s["go_wall"]) - t0, alpha=0.12)
     ax.set_xlabel("seconds")
     ax.set_ylabel("mapped KV GiB (share ledger)")
-    ax.set_title("seed A: the first engine serves while a second starts 10 times (shaded)")
+    ax.set_title(
+        f"seed A: the first engine serves while a second starts {len(data['starts'])} times "
+        "(shaded)"
+    )
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "vllm_seed_a.png", dpi=110)
-    plt.close(fig)
-    print(f"plot: {out / 'vllm_seed_a.png'}")
+    save_plot(plt, fig, out / "vllm_seed_a.png")
 
 
 # -- a neighbour's release ---------------------------------------------------------------------
@@ -527,10 +532,7 @@ def plot_two(data: dict[str, Any], out: pathlib.Path) -> None:
         ax.set_ylabel("GiB")
         ax.legend(fontsize=6, loc="upper right")
     axes[-1, 0].set_xlabel("seconds since the trace started")
-    fig.tight_layout()
-    fig.savefig(out / "vllm_two_engines.png", dpi=110)
-    plt.close(fig)
-    print(f"plot: {out / 'vllm_two_engines.png'}")
+    save_plot(plt, fig, out / "vllm_two_engines.png")
 
 
 # -- colocate ----------------------------------------------------------------------------------
