@@ -47,7 +47,11 @@ Calibration (memory case), each figure measured: decode steps alone at the full 
 batch and the cold one, and the prefill rate; the hot engine's decode step with N - 1 engines
 stepping at the cold batch beside it (the contention); a stream on one engine alone, whose
 requests' KV lifetime (admission to end) and time per token (prefills and decodes mixed) give
-the lifetime at the hot batch. The hot rate is the hot batch over that lifetime. The compute
+a first lifetime at the hot batch (x the contention) and a first hot rate, the hot batch over it.
+That product of factors measured apart overstated the lifetime on the H200 (16.2 s against about
+10.9 s in the run), so it is measured again where the runs will be: the hot engine replays a
+stream at the first rate while the cold engines replay theirs beside it, and its requests' KV
+lifetime (scaled to the hot batch by the decode steps) gives the hot rate. The compute
 check: the hot engine's step in a run, predicted as the decode step at its batch x the stream's
 prefill factor x the contention, must stay within ``--compute-cap`` of the TPOT SLO (by default
 the step target, 80%, above which every engine holds admission: EngineConfig.step_target);
@@ -397,8 +401,9 @@ def planned_wall(args: argparse.Namespace, regime: Regime, n_max: int) -> str:
     # stream; the compute case's burst (about 5 s).
     calibration, calibration_bound = READY_S + 5.0, 2 * READY_S
     if "memory" in args.cases:
-        calibration += 2 * READY_S + args.calibration_s + tail
-        calibration_bound += 2 * READY_S + args.calibration_s + horizon
+        # The engines together, the stream alone, the streams together.
+        calibration += 3 * READY_S + 2 * (args.calibration_s + tail)
+        calibration_bound += 3 * READY_S + 2 * (args.calibration_s + horizon)
     if "compute" in args.cases:
         calibration += 5.0
         calibration_bound += 10.0
@@ -999,9 +1004,13 @@ class Harness:
         return result
 
     def calibrate_together(
-        self, regime: Regime, bursts: list[list[tuple[int, int, int]]]
+        self,
+        regime: Regime,
+        bursts: list[list[tuple[int, int, int]]],
+        streams: list[list[TraceRequest]] | None = None,
     ) -> list[dict[str, Any]]:
-        """Bursts on several engines at once (one list of bursts per engine)."""
+        """Bursts on several engines at once (one list of bursts per engine), then each engine's
+        stream (one per engine, where given), all started at the same moment."""
         workers = self.pool(len(bursts))
         outs = []
         for index, (worker, mine) in enumerate(zip(workers, bursts, strict=True)):
@@ -1010,7 +1019,18 @@ class Harness:
             config = self.base_config(
                 regime.max_batch, regime.max_batch_tokens, name=f"calibration{index}"
             )
-            worker.send(op="calibrate", config=config, bursts=mine, together=True, out=str(out))
+            stream_path = None
+            if streams is not None:
+                stream_path = self.tmp / f"calibration_stream_{index}.json"
+                stream_path.write_text(json.dumps([dataclasses.astuple(r) for r in streams[index]]))
+            worker.send(
+                op="calibrate",
+                config=config,
+                bursts=mine,
+                stream=None if stream_path is None else str(stream_path),
+                together=True,
+                out=str(out),
+            )
         for worker in workers:
             worker.expect("ready", READY_TIMEOUT_S)
         start_at = time.time() + 0.5
@@ -2043,7 +2063,28 @@ def main() -> None:
             # The lifetime co-located at that batch (the stream's, at the step's ratio), and the hot
             # rate by Little's law: batch requests in flight.
             kv_life_stream = float(measured["mean_kv_life_s"])
-            mean_life = kv_life_stream * contention * step_alone(batch) / step_alone(stream_batch)
+            first_life = kv_life_stream * contention * step_alone(batch) / step_alone(stream_batch)
+            first_rate = batch / first_life
+
+            # The estimate above multiplies two factors measured apart: the stream's prefills (at
+            # its own rate, here 1.5-2x the hot rate) and the contention of cold engines stepping
+            # back to back. Together they overstated the lifetime (an H200 run of 2026-12-01:
+            # 16.2 s estimated, while the shared run's hot engine held 770 of the 1152 MiB
+            # planned, about 10.9 s), so the working set came out 2x a 1/4 partition, not 3x.
+            # So the lifetime is measured where the runs will be: the hot engine replays a stream
+            # at that first rate while the N - 1 cold engines replay theirs beside it (cold_weight
+            # of it); its KV lifetime, scaled to the batch as above, gives the hot rate.
+            def steady_stream(rate: float, seed: int) -> list[TraceRequest]:
+                steady = dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9)
+                return memory_bound_traces(steady, 1, args.calibration_s, rate, seed)[0]
+
+            coloc_streams = [steady_stream(first_rate, args.seed + 3000)] + [
+                steady_stream(regime.cold_weight * first_rate, args.seed + 3001 + i)
+                for i in range(n_max - 1)
+            ]
+            coloc = harness.calibrate_together(regime, [[]] * n_max, coloc_streams)[0]["stream"]
+            coloc_batch = max(1, int(coloc["most_running"]))
+            mean_life = float(coloc["mean_kv_life_s"]) * step_alone(batch) / step_alone(coloc_batch)
             hot_rate = batch / mean_life
             working_set = hot_rate * mean_life * held_tokens * geo.token_bytes
             saturated = stream_batch >= regime.max_batch
@@ -2075,7 +2116,12 @@ def main() -> None:
                 f"the prefills), steps {1e3 * measured['steady_step_s']:.1f} ms once steady, "
                 f"TTFT {measured['mean_ttft_s']:.2f} s; a request held its KV "
                 f"{kv_life_stream:.2f} s (estimated {step_hot * (prefill_steps + mean_output):.2f} "
-                f"s from decode steps), {mean_life:.2f} s co-located at batch {batch}. So the hot "
+                f"s from decode steps), {first_life:.2f} s co-located at batch {batch} "
+                f"(x{contention:.2f}): {first_rate:.2f} req/s. Measured co-located (that rate on "
+                f"the hot engine, {regime.cold_weight:.0%} of it on {n_max - 1} cold ones, "
+                f"{args.calibration_s:.0f} s): up to {coloc_batch} requests at once, a token "
+                f"{1e3 * coloc['mean_tpot_s']:.1f} ms, KV held {coloc['mean_kv_life_s']:.2f} s, "
+                f"so {mean_life:.2f} s at batch {batch}. So the hot "
                 f"rate is {batch} / {mean_life:.2f} s = {hot_rate:.2f} req/s (a working set of "
                 f"{working_set / MIB:.0f} MiB); cold engines get {regime.cold_weight:.0%} of it; "
                 f"bursts x{regime.burst_factor} for {regime.burst_s} s, "
@@ -2118,6 +2164,9 @@ def main() -> None:
                 "contention": contention,
                 "prefill_tok_s": prefill_tps,
                 "stream": measured,
+                "first_lifetime_s": first_life,
+                "first_rate": first_rate,
+                "coloc_stream": coloc,
                 "lifetime_s": mean_life,
                 "hot_rate": hot_rate,
                 "paper": paper,
