@@ -506,6 +506,60 @@ async def test_a_map_in_flight_when_the_limit_drops_is_not_counted_on():
         kv.free(got + held[768:])
 
 
+async def test_free_block_ids_lists_what_the_next_alloc_hands_out_in_that_order(backend_name):
+    cfg = kvasync.Config(backend=backend_name, max_blocks=8192, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(UNIFORM, cfg) as kv:
+        held = await kv.alloc(3 * 512)
+        # Holes on pages 2, 0 and 1, freed out of order: the listing follows the pool's order
+        # (lowest page first, and within a page what it takes first), not the order of the frees.
+        freed = held[1100:1110] + held[7:3:-1] + held[600:605] + held[40:43]
+        kv.free(freed)
+        before = kv.stats()
+        listed = kv.free_block_ids()
+        assert sorted(listed) == sorted(freed)
+        assert kv.free_block_ids(limit=6) == listed[:6]
+        assert kv.free_block_ids(limit=0) == []
+        assert kv.stats() == before  # listing takes nothing
+        assert kv.alloc_nowait(6) == listed[:6]
+        assert await kv.alloc(len(listed) - 6) == listed[6:]
+        assert kv.free_block_ids() == []  # every mapped block is in use
+        kv.free(held)
+
+
+async def test_free_block_ids_leave_out_unmapped_and_draining_pages(backend_name):
+    page_bytes = UNIFORM.page_unit(PAGE) * UNIFORM.num_ranges
+    pages = uniform_pages(4)
+    cfg = kvasync.Config(backend=backend_name, max_blocks=8192, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(UNIFORM, cfg) as kv:
+        first = await kv.alloc(10)  # maps page 0 only; pages 1.. stay unmapped
+        assert sorted(kv.free_block_ids()) == pages[0][10:]
+        rest = await kv.alloc(4 * 512 - 10)
+        kv.free([b for page in pages for b in page[::2]])  # half of every page
+        await kv.resize(memory_limit=2 * page_bytes)
+        assert kv.drain_from() == pages[2][0]
+        listed = kv.free_block_ids()
+        assert sorted(listed) == sorted(pages[0][::2] + pages[1][::2])
+        again = kv.alloc_nowait(len(listed))
+        assert again == listed  # the draining pages' free halves stay free
+        assert sorted(first + rest) == [b for page in pages for b in page]
+        kv.free(again + [b for page in pages for b in page[1::2]])
+        await kv.trim()
+        assert kv.free_block_ids() == []  # nothing mapped, nothing listed
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "3"])
+async def test_free_block_ids_reject_a_bad_limit_and_change_nothing(backend_name, limit):
+    cfg = kvasync.Config(backend=backend_name, max_blocks=8192, reserve_pages=(0, 0))
+    async with kvasync.open_allocator(UNIFORM, cfg) as kv:
+        held = await kv.alloc(5)
+        before = kv.stats()
+        with pytest.raises(ValueError, match="limit must be"):
+            kv.free_block_ids(limit)
+        assert kv.stats() == before
+        kv.free(held)
+    assert kv.free_block_ids() == []  # closed: nothing is free to hand out
+
+
 @pytest.mark.parametrize("contiguous", [False, True])
 async def test_layer_views_cover_distinct_memory_for_every_buffer(backend_name, contiguous):
     layout = kvasync.KVLayout(

@@ -216,6 +216,11 @@ PYBIND11_MODULE(_core, m) {
       .def("set_demand", [](PoolHandle& pool, int64_t blocks) { pool->set_demand(blocks); },
            py::arg("blocks"))
       .def("drain_from_block", [](PoolHandle& pool) { return pool->drain_from_block(); })
+      .def("free_blocks_in_order",
+           [](PoolHandle& pool, int64_t limit) {
+             return to_list(pool->free_blocks_in_order(limit));
+           },
+           py::arg("limit"))
       .def("take_map_seconds", [](PoolHandle& pool) { return pool->take_map_seconds(); })
       .def("free",
            [](PoolHandle& pool, py::handle blocks, uintptr_t fence) {

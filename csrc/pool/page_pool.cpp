@@ -607,6 +607,27 @@ int64_t PagePool::available_blocks() const {
   return std::max<int64_t>(0, blocks - waiting_blocks_);
 }
 
+std::vector<int64_t> PagePool::free_blocks_in_order(int64_t limit) const {
+  if (limit < 0) throw std::invalid_argument("free_blocks_in_order: limit must be >= 0");
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int64_t> out;
+  if (closed_) return out;
+  // take_blocks' walk without its writes: with_free_ ascending, each page's free_slots from the
+  // back. Draining pages are the highest (Note [Limit policy]), so the walk stops at the first.
+  const int64_t stop = draining() ? policy_.drain_from_page() : static_cast<int64_t>(pages_.size());
+  out.reserve(static_cast<size_t>(std::min(limit, usable_free_blocks())));
+  for (int64_t page = with_free_.first();
+       page >= 0 && page < stop && static_cast<int64_t>(out.size()) < limit;
+       page = with_free_.next(page + 1)) {
+    const Page& p = pages_[page];
+    for (auto slot = p.free_slots.rbegin();
+         slot != p.free_slots.rend() && static_cast<int64_t>(out.size()) < limit; ++slot) {
+      out.push_back(p.first_block + *slot);
+    }
+  }
+  return out;
+}
+
 int64_t PagePool::drain_from_block() const {
   std::lock_guard<std::mutex> lock(mutex_);
   if (closed_ || !draining()) return -1;

@@ -175,6 +175,11 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   // ledger.h); without a share it is only recorded. Negative: std::invalid_argument.
   static constexpr auto kDemandTtl = std::chrono::seconds(5);
   void set_demand(int64_t blocks);
+  // The free blocks an allocation would hand out, in the order take_blocks hands them out (lowest
+  // page first, each page's most recently freed slot first), at most `limit` of them: blocks of
+  // draining pages are not among them (Note [Limit policy]). A snapshot taken under mutex_ that
+  // takes nothing; empty once closed. Negative limit: std::invalid_argument.
+  std::vector<int64_t> free_blocks_in_order(int64_t limit) const;
   // Note [Limit policy]: the first block id of the draining pages, those this pool wants back
   // (a limit in force below what is mapped) and hands no block out from; -1 when none drains.
   int64_t drain_from_block() const;

@@ -364,6 +364,30 @@ class Allocator:
         block = int(self._pool.drain_from_block())
         return None if block < 0 else block
 
+    def free_block_ids(self, limit: int | None = None) -> list[int]:
+        """A snapshot: the free blocks on mapped pages, in the order alloc hands them out.
+
+        The first ``n`` ids are those an ``alloc(n)`` (or ``try_alloc(n)``) made right after
+        would return, when nothing else changes the pool in between and no waiter holds the
+        blocks back. Blocks of draining pages (``drain_from``) are not listed: no allocation
+        takes them. Nothing is taken or reserved; the listing is stale as soon as another call
+        allocates, frees, maps or unmaps. [] once closed.
+
+        Args:
+            limit: list at most this many (``None``: all of them). A scheduler that only needs
+                the next few pays for those alone.
+
+        Raises:
+            ValueError: ``limit`` is not an int >= 0 (or None).
+        """
+        self._check_process()
+        if limit is None:
+            limit = self.num_blocks
+        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be a number of blocks >= 0 or None, got {limit!r}")
+        ids: list[int] = self._pool.free_blocks_in_order(min(limit, self.num_blocks))
+        return ids
+
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """Returns blocks to the pool. Synchronous; never blocks.
 

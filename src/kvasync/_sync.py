@@ -163,6 +163,11 @@ class SyncAllocator:
         """As ``Allocator.drain_from``: the first block id of the pages to give back, or None."""
         return self._kv.drain_from()
 
+    def free_block_ids(self, limit: int | None = None) -> list[int]:
+        """As ``Allocator.free_block_ids``: a snapshot of the free blocks on mapped pages, in
+        the order alloc hands them out."""
+        return self._kv.free_block_ids(limit)
+
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
         """As ``Allocator.free``: never blocks; from any thread."""
         self._kv.free(ids, after=after)
