@@ -503,6 +503,28 @@ def test_a_members_own_flapping_demand_holds_its_minimum_for_the_hold() -> None:
     assert later[-1] == 2  # the hold lapsed: down to the fair share
 
 
+def test_a_lapsed_minimum_does_not_lift_the_limit_within_the_hold_to_below_a_peak_of_it() -> None:
+    # bench_colocate_many on the H200 (memory-bound, 4 engines in one share) saw a member's limit
+    # turn from falling to rising twice within 202 ms. Within the hold of a step-down only the
+    # guaranteed minimum lifts the limit, and the Note allows that for a new peak of it only. The
+    # minimum in force fell, 300 ms after it last rose, to the one seen at that tick, so a flap
+    # back up (1, then 2) lifted the limit again though the minimum had been 3 within the hold:
+    # two turns 210 ms apart, one way the H200's could come about (its ledger shows no minima).
+    ticks = [
+        (0.00, False, -1, 1, 8),  # no pressure: the own limit, 32
+        (0.40, True, 5, 1, 8),  # pressure: down to the fair share, 5
+        (0.60, True, 5, 4, 8),  # a request arrives: a minimum of 4, under the cap
+        (0.71, False, -1, 3, 8),  # pressure lifts past the hold: back up to 32 (a turn)
+        (0.91, True, 1, 1, 8),  # pressure again, the demand down to a page
+        (0.92, True, 2, 2, 8),  # the demand flaps back up to 2 pages: 3 was seen at 0.71
+    ]
+    limits = _core.limit_policy_trace(32, ticks)
+    assert limits == [32, 5, 5, 32, 3, 3]  # down to the highest minimum of the hold, and held
+    # The minimum in force falls as its peak ages past the hold: 3 (0.71) lapses, 2 (0.92) not.
+    later = _core.limit_policy_trace(32, [*ticks, (1.02, True, 1, 1, 8)])
+    assert later[-1] == 2
+
+
 @st.composite
 def share_ticks(draw: st.DrawFn) -> tuple[int, list[tuple[float, bool, int, int, int]]]:
     """A member's own limit and a sequence of share ticks: members come and go, demands move."""
@@ -544,3 +566,25 @@ def test_the_limit_policy_keeps_its_invariants_on_any_sequence_of_share_ticks(
     rises_of_minimum = sum(b[3] > a[3] for a, b in itertools.pairwise(ticks))
     close = sum(b - a < HOLD_S for a, b in itertools.pairwise(turns))
     assert close <= rises_of_minimum
+    # Sharper: within the hold of its last fall, the limit rises only to the member's guaranteed
+    # minimum, and only to one higher than any of the hold (the minima before a lower equal share
+    # count at most at it: a member joining lowers the minimum at once). Times within a microsecond
+    # of the hold are left out: the policy's clock counts whole nanoseconds.
+    within = HOLD_S - 1e-6
+    fell_at = -math.inf
+    for index, ((at, _pressure, _fair, guaranteed, _equal), limit) in enumerate(
+        zip(ticks, limits, strict=True)
+    ):
+        if index and limit < limits[index - 1]:
+            fell_at = at
+        elif index and limit > limits[index - 1] and at - fell_at < within:
+            minimum = max(1, guaranteed)
+            assert limit == min(own, minimum), (index, ticks, limits)
+            for earlier in range(index):
+                if at - ticks[earlier][0] >= within:
+                    continue
+                held = max(1, ticks[earlier][3])
+                for tick in ticks[earlier + 1 : index + 1]:
+                    if tick[4] > 0:
+                        held = min(held, tick[4])
+                assert minimum > held, (index, earlier, ticks, limits)

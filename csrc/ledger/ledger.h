@@ -76,16 +76,23 @@
 //     every kTick without a wake: the bound is one kTick (100 ms) plus the unmaps' own time.
 //   - No oscillation: a member's fair-share limit goes down at once (a step-down serves a
 //     waiter) but goes up again only kRegrowHold (LimitPolicy) after its last step-down, and
-//     never stays below min(own limit, g_i) meanwhile, where the g_i in force rises at once
-//     but falls only kRegrowHold after it last rose (an engine's demand, and g_i with it, flaps
-//     from loop to loop; followed flap by flap it lifted the limit 37 times in 1.5 s past the
-//     hold: tests/test_share_policy.py), except to B / n at once: a member joining is no flap,
-//     and a minimum held from fewer members would keep the newcomer waiting. So the limit turns from falling to rising at most once
-//     per kRegrowHold (300 ms), unless the member's own g_i reaches a new peak within the hold
-//     (its demand growing, not flapping), and pages a member gave back stay with the
-//     member entitled to them at least that long (the grants' rule above keeps them from it
-//     for as long as that member wants them). Pressure lifts when nobody is short, and the own
-//     limit (configured, or `kvasync limit`) comes back after the same hold.
+//     never stays below min(own limit, g_i) meanwhile, where the g_i in force is the highest of
+//     the last kRegrowHold: it rises at once and falls as that peak ages past the hold, except
+//     to B / n at once (a member joining is no flap, and a minimum held from fewer members would
+//     keep the newcomer waiting). An engine's demand, and g_i with it, flaps from loop to loop:
+//     followed flap by flap it lifted the limit 37 times in 1.5 s past the hold, and a minimum
+//     that fell to the g_i of the tick its peak lapsed at let a flap back up lift the limit
+//     within the hold (two turns 210 ms apart: tests/test_share_policy.py).
+//     The bound: two fall->rise turns of a member's limit come less than kRegrowHold (300 ms)
+//     apart only when the later one rises to a g_i higher than every g_i of the hold before it
+//     (one over a lower B / n counting at B / n): its demand growing to a new peak, not
+//     flapping. Without such a peak the turns are at least 300 ms apart, at most 4 in any
+//     second: 3 turns in a second keep the bound; 2 turns 202 ms apart break it unless the later
+//     one is to a new peak. The ledger shows the limit, not g_i: an observer can tell only that
+//     a rise to more than B / n is no such peak. Pages a member gave back stay with the member
+//     entitled to them at least kRegrowHold (the grants' rule above keeps them from it for as
+//     long as that member wants them). Pressure lifts when nobody is short, and the own limit
+//     (configured, or `kvasync limit`) comes back after the same hold.
 //   - No waiter waits while its map could be granted: a member blocked re-plans at each release
 //     in the share (a wake-up) and each tick; a member's own waiters, within its entitlement,
 //     are granted as soon as the others' excess comes back.

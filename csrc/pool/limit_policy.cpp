@@ -33,21 +33,31 @@ bool LimitPolicy::set_share(bool pressure, int64_t fair_pages, int64_t guarantee
     share_cap_ = target;
   }
   // Held down, the cap never stays below the guaranteed minimum (Note [Fair share under
-  // pressure] in ledger.h). The minimum in force rises at once but falls only kRegrowHold after
-  // it last rose (about the largest over that window): it follows the member's own demand, and
-  // an engine's demand flaps from loop to loop (a waiting request comes and goes); following
-  // each flap, the cap would fall and rise with it, the hold notwithstanding.
+  // pressure] in ledger.h). The minimum in force is the highest of the last kRegrowHold: it rises
+  // at once and falls as its peak ages past the hold (an engine's demand flaps from loop to loop,
+  // a waiting request coming and going; following each flap, the cap would fall and rise with
+  // it, the hold notwithstanding). The highest of the hold, not the one seen at the tick its
+  // peak lapses at: falling to that (1) let a flap back up (2) lift the cap again within the
+  // hold of a step-down, though the minimum had been 3 within it (two turns in 210 ms).
   const int64_t guaranteed = std::max<int64_t>(1, guaranteed_pages);
-  if (guaranteed >= floor_) {
-    floor_ = guaranteed;
-    floor_raised_at_ = now;
-  } else if (now - floor_raised_at_ >= kRegrowHold) {
-    floor_ = guaranteed;
-  }
+  while (!minima_.empty() && minima_.back().second <= guaranteed) minima_.pop_back();
+  minima_.emplace_back(now, guaranteed);
+  while (now - minima_.front().first >= kRegrowHold) minima_.pop_front();  // never the newest
   // But never above budget / members: a member joining is no flap of this one's demand, and
   // the newcomer's minimum comes out of what this one held (a held minimum of the whole budget
-  // kept it waiting for the hold).
-  if (equal_share_pages > 0) floor_ = std::min(floor_, std::max<int64_t>(1, equal_share_pages));
+  // kept it waiting for the hold). The minima over it are held at it, for as long as the newest
+  // of them would have been.
+  if (equal_share_pages > 0) {
+    const int64_t equal = std::max<int64_t>(1, equal_share_pages);
+    size_t over = 0;  // minima_ decreases from the front: those over `equal` lead it
+    while (over < minima_.size() && minima_[over].second > equal) ++over;
+    if (over > 0) {
+      minima_.erase(minima_.begin(), minima_.begin() + static_cast<std::ptrdiff_t>(over - 1));
+      minima_.front().second = equal;
+      if (minima_.size() > 1 && minima_[1].second == equal) minima_.pop_front();
+    }
+  }
+  floor_ = minima_.front().second;
   if (share_cap_ != kNoCap) share_cap_ = std::max(share_cap_, floor_);
   return update();
 }

@@ -13,8 +13,9 @@
 //    (its demand-weighted share of the budget; Note [Fair share under pressure] in ledger.h),
 //    never below 1 page nor below its guaranteed minimum. The cap goes down at once and up only
 //    kRegrowHold after its last step-down (the bound on oscillation), but never stays below the
-//    guaranteed minimum, which rises at once and falls only kRegrowHold after it last rose (a
-//    demand that flaps does not move it), except to budget / members, at once: the hold is for
+//    guaranteed minimum in force, the highest of the last kRegrowHold: it rises at once and falls
+//    as that peak ages past the hold (a demand that flaps does not move it, nor lift the cap
+//    within the hold after a lower one), except to budget / members, at once: the hold is for
 //    the member's own demand, and a member joining the share (or a lower budget) is no flap, so
 //    a newcomer is not kept waiting by a minimum computed for fewer members. Pressure lifting
 //    removes the cap after the same hold.
@@ -61,7 +62,7 @@
 //   - 1 <= limit() <= own_limit(); limit() changes only through the inputs above.
 //   - Under pressure, limit() >= min(own_limit(), max(1, guaranteed)) at every tick.
 //   - The share cap rises only when kRegrowHold has passed since it last fell, or to a
-//     guaranteed minimum higher than any in the last kRegrowHold.
+//     guaranteed minimum higher than any in the last kRegrowHold (tests/test_share_policy.py).
 //   - The guaranteed minimum in force never exceeds budget / members of the current membership.
 //   - Pages held (mapping + mapped + unmapping) exceed limit() only after the limit was lowered,
 //     and then only pages that are in use or on their way out: no map is planned beyond it, a
@@ -72,6 +73,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
+#include <utility>
 
 namespace kvasync {
 
@@ -138,8 +141,10 @@ class LimitPolicy {
   bool pressure_ = false;
   int64_t share_cap_ = kNoCap;
   Clock::time_point stepped_down_at_{};
-  int64_t floor_ = 1;  // the guaranteed minimum in force (pages): it falls after kRegrowHold
-  Clock::time_point floor_raised_at_{};
+  int64_t floor_ = 1;  // the guaranteed minimum in force (pages): the highest in minima_
+  // The guaranteed minima of the last kRegrowHold that no later one reached, oldest first
+  // (strictly decreasing): at most one per share tick of the hold.
+  std::deque<std::pair<Clock::time_point, int64_t>> minima_;
   int64_t limit_ = 0;
   int64_t reserve_low_, reserve_high_;
   int64_t hold_blocks_ = 0;
