@@ -125,8 +125,10 @@ within SLO per second of arrivals); preemptions; queue waits (request-seconds wa
 by what the scheduler held admission for, Scheduler.held_for: memory, compute (the step target
 or the step's token budget), the batch full); the limits' oscillation in shared runs (each
 member's limit in force from the ledger: the most direction changes and fall->rise turns in any
-second, and the closest two turns, against the policy's bound of one fall->rise turn per 300 ms
-regrow hold); the time to
+second, and the closest two turns, against the policy's bound: turns at least the 300 ms regrow
+hold apart, unless the later one rises to a new peak of the member's guaranteed minimum, which
+the ledger does not show: a close pair is a certain break only when its later limit is over
+budget / members, where no such minimum reaches); the time to
 take memory back from an idle engine (shared runs, from the share's ledger sampled every 50 ms:
 from a sample where a member is blocked on the share's budget while another holds a page or more
 mapped beyond what it uses, to the first sample where that one's committed bytes dropped); KV
@@ -149,7 +151,10 @@ SLO vs static 1/N 226 (3.16x), static by shared peaks 523; N=2 662 vs 590; its c
 (604 vs 371) bound memory, not compute:
   python bench/bench_colocate_many.py --preset small --device cuda --engines 4 2 --duration 36 \
     --compute-duration 24 --calibration-s 6 --best-static "shared peaks"
-Writes the tables (results_<preset>.md), the plots (PNG) and summary.json to --out.
+Writes the tables (results_<preset>.md), the plots (PNG), summary.json and the shared runs'
+ledger samples (ledger_<preset>_<case>_N<n>.json: variant -> [time, entries], each entry
+(name, committed, used, waiters, blocked, limit in force), for limit_turns() offline) to
+--out.
 """
 
 from __future__ import annotations
@@ -1192,21 +1197,31 @@ def reclaim_times(samples: list[LedgerSample], page_bytes: int) -> tuple[list[fl
 REGROW_HOLD_S = 0.3  # LimitPolicy::kRegrowHold: Note [Fair share under pressure], no oscillation
 
 
-def limit_turns(samples: list[LedgerSample], budget: int) -> dict[str, dict[str, float]]:
+def limit_turns(
+    samples: list[LedgerSample], budget: int, page_bytes: int
+) -> dict[str, dict[str, float]]:
     """Per member, how its limit in force (at most the budget) moved between ledger samples:
     the most direction changes and fall->rise turns in any 1 s window, and the closest two
     fall->rise turns. A turn is seen at the first sample after it, so two turns seen at samples
-    j > i were at most t_j - t_(i-1) apart: the bound (one fall->rise turn per kRegrowHold) is
-    broken for certain when that is under the hold (``broken``)."""
+    j > i were at most t_j - t_(i-1) apart. The bound (Note [Fair share under pressure]): turns
+    under kRegrowHold apart only when the later one rises to a new peak of the member's
+    guaranteed minimum g = min(demand, budget / members), which the ledger does not show. Such
+    a rise lands at most at budget / members, and nothing else lifts the limit within the hold
+    of its last step-down (here the fall between the turns: after t_i, so under the hold of the
+    rise seen at t_j), so a close pair whose later limit is over budget / members breaks the
+    bound for certain (``broken``); one at or under it is allowed only as a new peak of g, which
+    this check cannot confirm (``unconfirmed``)."""
     series: dict[str, list[tuple[int, float, int]]] = {}  # member -> (index, time, limit)
+    equal: list[int] = []  # per sample: budget / members, in whole pages (at least one)
     for index, (t, entries) in enumerate(samples):
+        equal.append(max(1, budget // max(1, len(entries)) // page_bytes) * page_bytes)
         for name, *_, limit in entries:
             series.setdefault(name, []).append((index, t, min(limit, budget)))
     times = [t for t, _ in samples]
     result = {}
     for name, points in series.items():
         changes: list[float] = []  # times of direction changes
-        turns: list[int] = []  # sample indexes of fall->rise turns
+        turns: list[tuple[int, int]] = []  # (sample index, limit then) of fall->rise turns
         direction = 0
         for (_, _, before), (index, t, after) in itertools.pairwise(points):
             if after == before:
@@ -1215,21 +1230,30 @@ def limit_turns(samples: list[LedgerSample], budget: int) -> dict[str, dict[str,
             if direction and moved != direction:
                 changes.append(t)
                 if moved > 0:
-                    turns.append(index)
+                    turns.append((index, after))
             direction = moved
 
         def most_in_a_second(at: list[float]) -> int:
             return max((sum(1 for u in at if t <= u < t + 1.0) for t in at), default=0)
 
         spans = [
-            times[j] - times[max(0, i - 1)] for i, j in itertools.pairwise(turns)
+            times[j] - times[max(0, i - 1)] for (i, _), (j, _) in itertools.pairwise(turns)
         ]  # the most two consecutive turns can have been apart
+        close = [
+            (j, limit)
+            for ((i, _), (j, limit)), span in zip(itertools.pairwise(turns), spans, strict=True)
+            if span < REGROW_HOLD_S
+        ]
+        # Over budget / members (either side of the rise, should the membership change): no g.
+        broken = [j for j, limit in close if limit > max(equal[j - 1], equal[j])]
         result[name] = {
             "changes per s max": float(most_in_a_second(changes)),
-            "turns per s max": float(most_in_a_second([times[i] for i in turns])),
+            "turns per s max": float(most_in_a_second([times[i] for i, _ in turns])),
             "turns": float(len(turns)),
             "closest turns s": min(spans) if spans else float("nan"),
-            "broken": float(any(span < REGROW_HOLD_S for span in spans)),
+            "close turns": float(len(close)),
+            "broken": float(len(broken)),
+            "unconfirmed": float(len(close) - len(broken)),
         }
     return result
 
@@ -1321,7 +1345,7 @@ def summarize_variant(
     tpot = [x for e in per_engine for x in e["tpot"]]
     reclaim, unresolved = reclaim_times(run.ledger, page_bytes)
     blocked = blocked_spans(run.ledger)
-    turns = limit_turns(run.ledger, budget)
+    turns = limit_turns(run.ledger, budget, page_bytes)
     closest = [m["closest turns s"] for m in turns.values() if m["turns"] > 1]
     tokens_s, step_ms, crest_batch = crest(run)
     busy = [b for _, b in run.gpu_busy]
@@ -1360,6 +1384,9 @@ def summarize_variant(
         "limit turns/s max": max((m["turns per s max"] for m in turns.values()), default=0),
         "limit closest turns ms": 1e3 * min(closest) if closest else float("nan"),
         "limit bound broken by": sorted(name for name, m in turns.items() if m["broken"]),
+        "limit bound unconfirmed for": sorted(
+            name for name, m in turns.items() if m["unconfirmed"] and not m["broken"]
+        ),
         "limit turns": turns,
         "splits MiB": [None if e.limit_bytes is None else e.limit_bytes / MIB for e in run.engines],
     }
@@ -1696,18 +1723,44 @@ def regime_text(case: Case, capacity: float | None, step_full: float | None) -> 
         f"budget {shared['blocked spans']} times, p50 {fmt(shared['blocked p50 s'])} s, max "
         f"{fmt(shared['blocked max s'])} s.\n"
     )
+    text += limit_bound_text(shared)
+    return text
+
+
+def limit_bound_text(shared: dict[str, Any]) -> str:
+    """The oscillation paragraph of a shared run: what the ledger showed against the bound of
+    Note [Fair share under pressure], with what the check cannot see (limit_turns)."""
+    hold_ms = 1e3 * REGROW_HOLD_S
     broken = shared["limit bound broken by"]
-    text += (
+    unconfirmed = shared.get("limit bound unconfirmed for", [])
+    turns = shared["limit turns"]
+    if broken:
+        verdict = (
+            f"**broken** by {', '.join(broken)}: turns under {hold_ms:.0f} ms apart whose later "
+            f"limit was over budget / members, which no guaranteed minimum reaches."
+        )
+    elif unconfirmed:
+        pairs = "; ".join(
+            f"{name} {m['close turns']:.0f}, closest {1e3 * m['closest turns s']:.0f} ms"
+            for name, m in ((name, turns[name]) for name in unconfirmed)
+        )
+        verdict = (
+            f"**kept only if** each turn under {hold_ms:.0f} ms after the one before rose to a "
+            f"new peak of the member's guaranteed minimum, which the ledger does not show (such "
+            f"pairs: {pairs}; each later limit at most budget / members, as such a rise is)."
+        )
+    else:
+        verdict = "kept."
+    return (
         f"\n**Limit oscillation** (shared; each member's limit in force, from the ledger every "
         f"{1e3 * LEDGER_SAMPLE_S:.0f} ms): at most {shared['limit changes/s max']:.0f} direction "
         f"changes and {shared['limit turns/s max']:.0f} fall->rise turns in any second; the "
         f"closest two turns at most {ms_text(shared['limit closest turns ms'])} ms apart. The "
-        f"policy's bound (Note [Fair share under pressure]: the {1e3 * REGROW_HOLD_S:.0f} ms "
-        f"regrow hold, one fall->rise turn per {1e3 * REGROW_HOLD_S:.0f} ms, at most "
-        f"{math.ceil(1 / REGROW_HOLD_S)} in a second): "
-        + (f"**broken** by {', '.join(broken)}.\n" if broken else "kept.\n")
+        f"policy's bound (Note [Fair share under pressure]: fall->rise turns at least "
+        f"{hold_ms:.0f} ms apart, so at most {math.ceil(1 / REGROW_HOLD_S)} in a second, unless "
+        f"the later one rises to a new peak of the member's guaranteed minimum "
+        f"min(demand, budget / members): its demand growing): {verdict}\n"
     )
-    return text
 
 
 def compute_regime_text(case: Case) -> str:
@@ -2255,6 +2308,10 @@ def main() -> None:
                 phases,
             )
             emit(f"plot: `{plot}`\n")
+            ledgers = {run.variant: run.ledger for run in case.runs if run.ledger}
+            if ledgers:
+                path = out / f"ledger_{args.preset}_{case_name}_N{n}.json"
+                path.write_text(json.dumps(ledgers))
             summary_json["cases"][f"{case_name} N={n}"] = case.summaries
             (out / "summary.json").write_text(json.dumps(summary_json, indent=1, default=str))
             if case_name == "memory" and (memory4 is None or n > memory4.n):
