@@ -397,13 +397,93 @@ def test_free_block_queue_counts_every_free_mapped_block_when_read(
     assert queue.num_free_blocks == 62
     pool.get_new_blocks(5)
     assert queue.num_free_blocks == 57
-    # What the view cannot show faithfully is refused, saying why, never answered partly.
-    with pytest.raises(NotImplementedError, match="order"):
-        queue.get_all_free_blocks()
+    # Taking or putting blocks through the view is refused, saying why.
     with pytest.raises(NotImplementedError, match="get_new_blocks"):
         queue.popleft_n(1)
-    with pytest.raises(NotImplementedError, match="linked list"):
-        _ = queue.fake_free_list_head
+    with pytest.raises(NotImplementedError, match="get_new_blocks"):
+        queue.prepend_n([])
+
+
+def walk(queue: Any) -> tuple[list[int], list[int]]:
+    """The block ids of the list from its head forward, and from its tail backward."""
+    head, tail = queue.fake_free_list_head, queue.fake_free_list_tail
+    forward, backward = [], []
+    block = head.next_free_block
+    while block is not tail:
+        forward.append(block.block_id)
+        block = block.next_free_block
+    block = tail.prev_free_block
+    while block is not head:
+        backward.append(block.block_id)
+        block = block.prev_free_block
+    return forward, backward
+
+
+@needs_vllm
+def test_free_block_queue_lists_every_free_block_in_the_order_they_are_handed_out(
+    engines: list[EngineKV],
+) -> None:
+    engine = plugin.host_engine(64, read_settings({"KVASYNC_VLLM": "1"}))  # all pages mapped
+    engines.append(engine)
+    pool = make_pool(engine, caching=True)
+    queue = pool.free_block_queue
+    fresh = list(range(1, 64))  # the allocator's, lowest first; the null block is not free
+    assert walk(queue) == (fresh, fresh[::-1])
+    assert [b.block_id for b in queue.get_all_free_blocks()] == fresh
+    blocks = pool.get_new_blocks(12)
+    cache_blocks(pool, blocks[6:9])
+    pool.free_blocks(blocks[:9])  # 3 keep their entry, 6 go back to the allocator
+    pool.expect(Demand(2, running=False))
+    pool.get_num_free_blocks()  # 2 promised: the pocket, handed out first
+    pocket = pool._pocket[:]
+    listed = [b.block_id for b in queue.get_all_free_blocks()]
+    assert len(listed) == len(set(listed)) == queue.num_free_blocks == 63 - 3 - 2 + 2
+    assert listed[:2] == pocket
+    assert listed[-3:] == [b.block_id for b in blocks[6:9]]  # cached: first freed, first evicted
+    forward, backward = walk(queue)
+    assert forward == listed and backward == listed[::-1]
+    # vLLM's own queue of cached blocks is untouched by the list around it.
+    assert pool.cached_free_queue.num_free_blocks == 3
+    handed = pool.get_new_blocks(len(listed))
+    assert [b.block_id for b in handed] == listed
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in handed)
+    # Nothing free: the sentinels link to each other, as vLLM's empty queue's do.
+    assert queue.fake_free_list_head.next_free_block is queue.fake_free_list_tail
+    assert queue.fake_free_list_tail.prev_free_block is queue.fake_free_list_head
+    assert queue.get_all_free_blocks() == []
+    pool.free_blocks(handed + blocks[9:])
+
+
+@needs_vllm
+def test_a_prefix_hit_while_the_free_list_is_linked_keeps_vllms_queue_whole(
+    engines: list[EngineKV],
+) -> None:
+    engine = plugin.host_engine(64, read_settings({"KVASYNC_VLLM": "1"}))  # all pages mapped
+    engines.append(engine)
+    pool = make_pool(engine, caching=True)
+    queue = pool.free_block_queue
+    blocks = pool.get_new_blocks(6)
+    cache_blocks(pool, blocks[:3])
+    pool.free_blocks(blocks)
+    cached = [b.block_id for b in blocks[:3]]
+    listed = [b.block_id for b in queue.get_all_free_blocks()]  # links the allocator's blocks
+    assert listed[-3:] == cached and len(listed) == 63
+    pool.touch([blocks[0]])  # vLLM's touch removes the hit through the view
+    assert [b.block_id for b in pool.cached_free_queue.get_all_free_blocks()] == cached[1:]
+    assert pool.cached_free_queue.num_free_blocks == 2
+    assert walk(queue)[0] == [i for i in listed if i != cached[0]]
+    # A "hit" on one of the allocator's free blocks (it has no entry) is refused, naming it.
+    allocators = walk(queue)[0][0]
+    with pytest.raises(RuntimeError, match=f"block {allocators} is a free block of kvasync"):
+        pool.touch([pool.blocks[allocators]])
+    assert pool.cached_free_queue.num_free_blocks == 2
+    # vLLM's evict_blocks of the allocator's free blocks: not in vLLM's queue, nothing to drop.
+    walk(queue)
+    pool.evict_blocks({listed[0], listed[1]})
+    assert pool.cached_free_queue.num_free_blocks == 2
+    assert engine.allocator.stats().used_blocks == 1 + 1 + 2  # null, the hit, the cached
+    pool.free_blocks([blocks[0]])
+    assert [b.block_id for b in queue.get_all_free_blocks()][-3:] == cached[1:] + cached[:1]
 
 
 @needs_vllm

@@ -76,20 +76,37 @@ block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free se
 - ``num_free_blocks`` counts, when it is read, what ``get_num_free_blocks()`` with no demand
   counts: the pocket, the allocator's mapped free blocks and the cached ones. Nothing is kept
   between reads, so a reference held across allocations and frees stays true.
+- ``get_all_free_blocks()`` and the linked list (``fake_free_list_head``,
+  ``fake_free_list_tail``, each block's ``prev_free_block``/``next_free_block``) show every free
+  block in the order the pool hands them out: the pocket (``get_new_blocks`` takes it first),
+  then the allocator's mapped free blocks in its own order (``Allocator.free_block_ids``:
+  lowest page first, within a page the last freed first; ``_mapped_now`` takes them next, and
+  ``_release`` frees last first, so vLLM's freed blocks lead, as stock prepends them), then the
+  cached queue, first freed first (``_evict`` takes those last). The list is linked on read
+  only: a read splices the uncached blocks between the cached queue's head sentinel and its
+  first block, so the sentinels are the cached queue's, and an empty list is head and tail
+  linked to each other, as in stock. Nothing on the scheduler's path reads it; the pool unlinks
+  the spliced blocks (``FreeBlocksView.unlink``, their links back to None, the cached queue
+  vLLM's alone again) before it moves any block (``get_new_blocks``, ``free_blocks``,
+  ``evict_blocks``, ``reset_prefix_cache``), at the cost of one attribute test while nothing is
+  linked. The list is a snapshot: a block the allocator hands out or takes back (a map, an
+  unmap, another thread's free) after the read is not in it until the next read.
 - ``remove`` and ``append_n`` are the cached queue's own: vLLM's ``touch`` (a prefix hit on a
   cached free block) and 0.33's ``unpin_blocks`` call them, and a block either takes is in that
   queue, the end of the free set's order. ``iter_blocks_after`` walks the cached blocks: vLLM's
   CPU offload walks it for free blocks with KV worth copying out, and only those hold any.
-- Not offered, each raising ``NotImplementedError`` that says why: ``get_all_free_blocks`` (the
-  free blocks in the order they are handed out: the pocket, then the allocator's mapped free
-  blocks, lowest page first and within a page the last freed first, then the cached queue; the
-  allocator exposes neither which of its free blocks are mapped nor their order, and guessing
-  would be a list that only looks like the state), the linked list (``fake_free_list_head``,
-  ``fake_free_list_tail``; the allocator's blocks are on no list) and the mutators that take or
+  While the list is linked, ``remove`` and ``iter_blocks_after`` unlink it first.
+- Not offered, each raising ``NotImplementedError`` that says why: the mutators that take or
   put blocks at the head (``popleft``, ``popleft_n``, ``prepend_n``: only the pool's
   ``get_new_blocks`` and ``free_blocks`` move blocks between the allocator and vLLM). vLLM
   0.26's sink-attention manager takes its sink blocks with ``popleft_n`` when it is built, so a
   model with sink attention stops there, saying so (before the view, it failed an assertion).
+  A caller that picks free blocks off the list and hands them to ``allocate_slots`` as prefix
+  hits (vLLM's ``test_cache_hit_local_and_external*``) picks the allocator's blocks, which have
+  no prefix-cache entry: ``touch`` takes only cached blocks out of the free set, so it raises
+  ``RuntimeError`` naming the block (vLLM's queue raises one too when the list is not linked).
+  Taking a chosen id out of the allocator's free set would be an API for those tests alone: in
+  a run, a prefix hit is a block with an entry, which is in the cached queue.
 """
 
 from __future__ import annotations
@@ -221,7 +238,12 @@ class FreeBlocksView:
         # A weak reference: the pool owns its view, and a cycle would keep a dropped pool's
         # allocator open until the garbage collector ran.
         self._pool = weakref.ref(pool)
-        # vLLM's own callers, on the cached blocks (its queue's methods, no wrapper between).
+        self._cached = cached
+        # The uncached free blocks spliced in front of the cached ones by the last read of the
+        # list; [] when none are (the pool unlinks them before it moves any block).
+        self.linked: list[Any] = []
+        # vLLM's own callers, on the cached blocks (its queue's methods, no wrapper between
+        # while nothing is linked).
         self.remove: Callable[[Any], None] = cached.remove
         self.append_n: Callable[[list[Any]], None] = cached.append_n
         self.iter_blocks_after: Callable[..., Any] = cached.iter_blocks_after
@@ -229,18 +251,25 @@ class FreeBlocksView:
     @property
     def num_free_blocks(self) -> int:
         """The pocket, the allocator's mapped free blocks and vLLM's cached free blocks."""
-        pool = self._pool()
-        if pool is None:
-            raise ReferenceError("kvasync's vLLM pool: the pool of this free_block_queue is gone")
-        return int(pool.num_free_blocks_now())
+        return int(self._live_pool().num_free_blocks_now())
 
     def get_all_free_blocks(self) -> list[Any]:
-        raise NotImplementedError(
-            "kvasync's vLLM pool: free_block_queue.get_all_free_blocks() needs the order in "
-            "which kvasync's allocator hands out its mapped free blocks, which it does not "
-            "expose; get_num_free_blocks() and free_block_queue.num_free_blocks count them, and "
-            "cached_free_queue holds the cached free blocks in vLLM's order"
-        )
+        """Every free block, in the order the pool hands them out: a snapshot."""
+        self._link()
+        blocks: list[Any] = self._cached.get_all_free_blocks()
+        return blocks
+
+    @property
+    def fake_free_list_head(self) -> Any:
+        """The head sentinel of the list of every free block, linked as the pool is now."""
+        self._link()
+        return self._cached.fake_free_list_head
+
+    @property
+    def fake_free_list_tail(self) -> Any:
+        """The tail sentinel of the list of every free block, linked as the pool is now."""
+        self._link()
+        return self._cached.fake_free_list_tail
 
     def popleft(self) -> Any:
         raise self._moves("popleft")
@@ -251,26 +280,73 @@ class FreeBlocksView:
     def prepend_n(self, blocks: list[Any]) -> None:
         raise self._moves("prepend_n")
 
-    @property
-    def fake_free_list_head(self) -> Any:
-        raise self._no_list()
+    def unlink(self) -> None:
+        """Takes the uncached free blocks out of the list again: the cached queue is vLLM's
+        alone, and those blocks' links are None, as a block off every list has them."""
+        linked = self.linked
+        if not linked:
+            return
+        self.linked = []
+        cached = self._cached
+        head = cached.fake_free_list_head
+        # Whatever follows the last linked block now: the first cached block, or the tail
+        # (cached blocks appended or removed since the list was linked kept it whole).
+        after = linked[-1].next_free_block
+        head.next_free_block = after
+        after.prev_free_block = head
+        for block in linked:
+            block.prev_free_block = block.next_free_block = None
+        self.remove = cached.remove
+        self.iter_blocks_after = cached.iter_blocks_after
 
-    @property
-    def fake_free_list_tail(self) -> Any:
-        raise self._no_list()
+    def _link(self) -> None:
+        """Splices the uncached free blocks, in the order they are handed out, between the
+        cached queue's head sentinel and its first block."""
+        pool = self._live_pool()
+        self.unlink()
+        uncached: list[Any] = pool.uncached_free_blocks()
+        if not uncached:
+            return
+        head = self._cached.fake_free_list_head
+        first = head.next_free_block
+        previous = head
+        for block in uncached:
+            previous.next_free_block = block
+            block.prev_free_block = previous
+            previous = block
+        previous.next_free_block = first
+        first.prev_free_block = previous
+        self.linked = uncached
+        # A prefix hit (touch) or vLLM's offload walking the cached blocks meets the cached
+        # queue alone.
+        self.remove = self._remove_unlinked
+        self.iter_blocks_after = self._iter_blocks_after_unlinked
+
+    def _remove_unlinked(self, block: Any) -> None:
+        if any(linked is block for linked in self.linked):
+            raise RuntimeError(
+                f"kvasync's vLLM pool: block {block.block_id} is a free block of kvasync's "
+                "allocator, with no prefix-cache entry; a prefix hit takes only cached blocks, "
+                "and the allocator's are handed out by get_new_blocks alone"
+            )
+        self.unlink()
+        self._cached.remove(block)
+
+    def _iter_blocks_after_unlinked(self, *args: Any, **kwargs: Any) -> Any:
+        self.unlink()
+        return self._cached.iter_blocks_after(*args, **kwargs)
+
+    def _live_pool(self) -> Any:
+        pool = self._pool()
+        if pool is None:
+            raise ReferenceError("kvasync's vLLM pool: the pool of this free_block_queue is gone")
+        return pool
 
     @staticmethod
     def _moves(name: str) -> NotImplementedError:
         return NotImplementedError(
             f"kvasync's vLLM pool: free_block_queue.{name}() is not offered; blocks move between "
             "kvasync's allocator and vLLM only through the pool's get_new_blocks and free_blocks"
-        )
-
-    @staticmethod
-    def _no_list() -> NotImplementedError:
-        return NotImplementedError(
-            "kvasync's vLLM pool: the free blocks are not one linked list (the allocator's are "
-            "on none); cached_free_queue is the list of the cached free blocks"
         )
 
 
@@ -317,6 +393,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # every free block (Note [What vLLM's free_block_queue shows]).
             self.cached_free_queue = queue_type([])
             self.free_block_queue = FreeBlocksView(self, self.cached_free_queue)
+            self._view = self.free_block_queue  # unlinked before the pool moves a block
             self._engine = engine
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
@@ -358,6 +435,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             if num_blocks <= 0:
                 return []
+            if self._view.linked:  # a read of the free list linked blocks this hands out
+                self._view.unlink()
             # The pocket (promised by the count), then mapped free blocks, then the cached blocks
             # the count let go; only a call vLLM did not count reaches the allocator's wait.
             ids = self._from_pocket(num_blocks)
@@ -391,6 +470,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             return taken
 
         def free_blocks(self, ordered_blocks: Any) -> None:
+            if self._view.linked:
+                self._view.unlink()
             cached = []
             released = []
             others: dict[Any, list[Any]] = {}
@@ -421,6 +502,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # vLLM drops the blocks' cache entries (a KV connector reports them unusable); a
             # free one stays in its queue, where with no entry it would hold a prefix-cache slot
             # (KVASYNC_PREFIX_CACHE) until evicted: give it back to kvasync now.
+            self._view.unlink()  # then only the blocks of vLLM's queue have links
             super().evict_blocks(block_ids)
             queue = self.cached_free_queue
             stale = [
@@ -445,6 +527,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     running,
                 )
                 return False
+            self._view.unlink()
             self._give_back_pocket(0)
             queue = self.cached_free_queue
             cached = queue.popleft_n(queue.num_free_blocks)
@@ -485,6 +568,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             queue and the pocket)."""
             queued = int(self.cached_free_queue.num_free_blocks)
             return self._kv.stats().used_blocks - 1 - queued - len(self._pocket)
+
+        def uncached_free_blocks(self) -> list[Any]:
+            """The free blocks handed out before any cached one, in that order: the pocket, then
+            the allocator's mapped free blocks as it hands them out (a snapshot; Note [What
+            vLLM's free_block_queue shows])."""
+            blocks = self.blocks
+            ids = self._pocket + self._kv.free_block_ids(self._mapped_free())
+            return [blocks[i] for i in ids]
 
         def num_free_blocks_now(self) -> int:
             """Blocks vLLM could take now without waiting: the pocket, the allocator's mapped
