@@ -231,6 +231,19 @@ def test_the_facade_has_every_public_method_and_property_of_allocator():
             assert inspect.signature(mine) == inspect.signature(member), name
 
 
+def test_the_facade_lists_the_free_blocks_the_next_alloc_takes():
+    cfg = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        blocks = kv.alloc(PER_PAGE, timeout=5.0)  # page 0, every block in use
+        kv.free(blocks[10:13])
+        listed = kv.free_block_ids()
+        assert sorted(listed) == sorted(blocks[10:13]) and kv.free_block_ids(limit=1) == listed[:1]
+        assert kv.alloc_nowait(3) == listed
+        with pytest.raises(ValueError, match="limit must be"):
+            kv.free_block_ids(-1)
+        kv.free(blocks)
+
+
 def test_the_facade_reports_the_page_size_and_the_first_draining_block():
     cfg = kvasync.Config(backend="host", max_blocks=8 * PER_PAGE, reserve_pages=(0, 0))
     with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
