@@ -14,6 +14,7 @@ prompts, the trace and the model config.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -180,6 +181,11 @@ def probes(llm: Any, spec: dict[str, Any]) -> dict[str, Callable[[], float]]:
         return (total - free) / GIB
 
     found["device_gib"] = device_used
+    # What PyTorch's caching allocator holds in this process (the worker's, with the in-process
+    # executor): activations, the profile run's leftovers, and stock vLLM's KV tensors; kvasync's
+    # KV is mapped outside it (the 1 GiB limit's question in issue 25: which of the two is more).
+    found["torch_reserved_gib"] = lambda: torch.cuda.memory_reserved() / GIB
+    found["torch_allocated_gib"] = lambda: torch.cuda.memory_allocated() / GIB
     if spec["kind"] == "kvasync":
         from kvasync.integrations.vllm._engine import current_engine
 
@@ -352,6 +358,39 @@ def task_phases(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any
     }
 
 
+def task_paired(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any]:
+    """Warm-up, then one round each time the driver writes this engine's turn file
+    (``<turn>.<k>``, k = 0, 1, ...) until it writes ``<turn>.stop``: the driver alternates two
+    engines that are up at once, round by round, so that the GPU's and the host's drift falls on
+    both alike (bench/_vllm_paired.py). Round k's prompts are the same in every engine."""
+    args = spec["args"]
+    for k, (count, prompt_len, output_len) in enumerate(args["warmup"]):
+        generate(llm, f"warmup{k}", count, prompt_len, output_len)
+    events.emit("warm")
+    turn, stop = pathlib.Path(args["turn"]), pathlib.Path(args["turn"] + ".stop")
+    count, prompt_len, output_len = args["round"]
+    rounds = []
+    for k in itertools.count():
+        deadline = time.monotonic() + args["turn_within_s"]
+        mine = pathlib.Path(f"{turn}.{k}")
+        while not mine.exists():
+            if stop.exists():
+                return {"rounds": rounds}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no turn {k} ({mine}) within {args['turn_within_s']} s")
+            time.sleep(0.002)
+        prompts, params = batch_of(f"pair{k}", count, prompt_len, output_len)
+        t = time.monotonic()
+        outs = list(llm.generate(prompts, params, use_tqdm=False))
+        seconds = time.monotonic() - t
+        produced = output_tokens(outs)
+        digests = [tokens_digest(o.outputs[0].token_ids) for o in outs]
+        digest = hashlib.blake2b(",".join(digests).encode(), digest_size=8).hexdigest()
+        rounds.append({"seconds": seconds, "output_tokens": produced, "digest": digest})
+        events.emit("round", index=k, tok_s=produced / seconds, seconds=seconds, digest=digest)
+    raise AssertionError("unreachable: itertools.count() does not end")
+
+
 def task_serve(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any]:
     """Serves the ``batches`` in a cycle with an idle ``gap_s`` between them (so a kvasync engine
     maps and unmaps) until the driver writes ``stop`` (finish the batch, report) or ``release``
@@ -489,6 +528,7 @@ def task_trace(llm: Any, spec: dict[str, Any], events: Events) -> dict[str, Any]
 
 TASKS: dict[str, Callable[[Any, dict[str, Any], Events], dict[str, Any]]] = {
     "phases": task_phases,
+    "paired": task_paired,
     "serve": task_serve,
     "starter": task_starter,
     "trace": task_trace,

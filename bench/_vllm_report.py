@@ -557,7 +557,111 @@ def report_colocate(data: dict[str, Any], out: pathlib.Path) -> None:
     )
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1..30); past 30 the normal's 1.96 is within 2%.
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+       2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+       2.052, 2.048, 2.045, 2.042)  # fmt: skip
+
+WARMUP = [[32, 128, 16], [16, 1024, 16], [256, 512, 16]]
+
+
+def mean_with_ci(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its 95% confidence interval (NaN with fewer than 2)."""
+    mean = statistics.fmean(values) if values else math.nan
+    if len(values) < 2:
+        return mean, math.nan
+    t = T95[len(values) - 2] if len(values) - 1 <= len(T95) else 1.96
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def report_throughput(data: dict[str, Any], out: pathlib.Path) -> None:
+    heading("vLLM: throughput, stock and kvasync up at once, rounds in turn (throughput mode)")
+    pairs = data.get("pairs", [])
+    ratios = [p["ratio"] for p in pairs]
+    mean, half = mean_with_ci(ratios)
+    stock = [p["stock"]["tok_s"] for p in pairs]
+    kvasync = [p["kvasync"]["tok_s"] for p in pairs]
+    identical = sum(p["identical"] for p in pairs)
+    count, prompt_len, output_len = data.get("round", [0, 0, 0])
+
+    def spread_text(values: list[float]) -> str:
+        if not values:
+            return "-"
+        return f"{(max(values) - min(values)) / statistics.fmean(values) * 100:.0f}%"
+
+    rows = [
+        [
+            "stock",
+            f"{data.get('stock_start_s', math.nan):.1f}",
+            f"{statistics.fmean(stock):.0f}" if stock else "-",
+            spread_text(stock),
+            "(reference)",
+        ],
+        [
+            "kvasync",
+            f"{data.get('kvasync_start_s', math.nan):.1f}",
+            f"{statistics.fmean(kvasync):.0f}" if kvasync else "-",
+            spread_text(kvasync),
+            f"{identical}/{len(pairs)} rounds",
+        ],
+    ]
+    print_table(
+        ["engine", "start s", "mean output tok/s", "spread of rounds", "greedy outputs identical"],
+        rows,
+        justify=["left", "right", "right", "right", "right"],
+    )
+    print(
+        f"\n{len(pairs)} pairs of rounds of {count} requests x {prompt_len}+{output_len} tokens; "
+        f"kvasync / stock, mean of the pairs' ratios: **{mean:.3f}**, 95% CI "
+        f"[{mean - half:.3f}, {mean + half:.3f}] (+-{half * 100:.1f}%)."
+        + (f" {data['cut']}." if data.get("cut") else "")
+        + (f" Ended early: {data['error']}" if data.get("error") else "")
+    )
+
+
+def report_limit_memory(data: dict[str, Any], out: pathlib.Path) -> None:
+    heading(
+        f"vLLM: device memory under a KV limit of {data['limit_bytes'] / GIB:.2f} GiB "
+        "(limit-memory mode; peaks over the run, first sample after start in brackets)"
+    )
+
+    def cell(entry: dict[str, Any], key: str) -> str:
+        peak, first = entry.get(f"{key}_peak"), entry.get(f"{key}_first")
+        if peak is None:
+            return "-"
+        return f"{peak:.2f} ({first:.2f})"
+
+    rows = []
+    for kind, entry in data["engines"].items():
+        rows.append(
+            [
+                kind,
+                cell(entry, "device_gib"),
+                cell(entry, "torch_reserved_gib"),
+                cell(entry, "torch_allocated_gib"),
+                cell(entry, "mapped_gib"),
+                str(entry.get("kv_blocks", "-")),
+                entry.get("failure", ""),
+            ]
+        )
+    print_table(
+        [
+            "engine",
+            "device used GiB",
+            "torch reserved GiB",
+            "torch allocated GiB",
+            "kvasync mapped GiB",
+            "KV blocks",
+            "failure",
+        ],
+        rows,
+        justify=["left", "right", "right", "right", "right", "right", "left"],
+    )
+
+
 REPORTS = {
+    "throughput": report_throughput,
+    "limit-memory": report_limit_memory,
     "identity": report_identity,
     "seed-a": report_seed_a,
     "release": report_release,

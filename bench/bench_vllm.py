@@ -14,6 +14,11 @@ worker in its own process). The driver holds a deadline on every engine start, r
 and shutdown (bench/_vllm_procs.py): an engine that hangs is reported as a hang with its elapsed
 time and killed, never waited out.
 
+``throughput`` and ``limit-memory`` (bench/_vllm_paired.py, which says how): a stock and a
+kvasync engine up at once, running equal rounds in turn (``--pairs``, ``--pair-round``), for the
+mean kvasync/stock ratio with its 95% confidence interval; and each engine's device memory, torch
+reserved and kvasync mapped peaks under one KV limit (``--limit-memory``, 1GiB).
+
 Modes (``--mode``, several allowed; ``--all`` runs identity with mp, two, seed-a, release in
 that order within ``--budget-s``):
 
@@ -137,6 +142,7 @@ from typing import Any, TextIO
 import _vllm_reference as reference
 import _vllm_report as report
 from _vllm_child import alternating_trace
+from _vllm_paired import mode_limit_memory, mode_throughput
 from _vllm_procs import (
     FAILURES,
     GIB,
@@ -153,7 +159,7 @@ from _vllm_procs import (
 )
 from _vllm_starts import mode_colocate, mode_release, mode_seed_a
 
-MODES = ("identity", "seed-a", "release", "two", "colocate")
+MODES = ("identity", "throughput", "limit-memory", "seed-a", "release", "two", "colocate")
 
 
 # -- identity, throughput, start, memory -------------------------------------------------------
@@ -340,10 +346,20 @@ def mode_two(run: Run) -> dict[str, Any]:
     return data
 
 
-RESERVE_S = {"identity": 170.0, "two": 100.0, "seed-a": 130.0, "release": 80.0, "colocate": 60.0}
+RESERVE_S = {
+    "identity": 170.0,
+    "throughput": 240.0,
+    "limit-memory": 150.0,
+    "two": 100.0,
+    "seed-a": 130.0,
+    "release": 80.0,
+    "colocate": 60.0,
+}
 
 RUNNERS = {
     "identity": mode_identity,
+    "throughput": mode_throughput,
+    "limit-memory": mode_limit_memory,
     "seed-a": mode_seed_a,
     "release": mode_release,
     "two": mode_two,
@@ -445,7 +461,21 @@ def main() -> None:
     )
     parser.add_argument("--with-mp", action="store_true", help="identity: add kvasync-mp")
     parser.add_argument("--rounds", type=int, default=3, help="identity: rounds per engine")
-    parser.add_argument("--limit", default="38GiB", help="identity: kvasync's memory limit")
+    parser.add_argument(
+        "--limit", default="38GiB", help="identity, throughput: kvasync's memory limit"
+    )
+    parser.add_argument("--pairs", type=int, default=40, help="throughput: pairs of rounds (most)")
+    parser.add_argument(
+        "--pair-round",
+        type=int,
+        nargs=3,
+        default=[256, 512, 128],
+        metavar=("REQUESTS", "PROMPT", "OUTPUT"),
+        help="throughput: one round's requests and their prompt and output tokens",
+    )
+    parser.add_argument(
+        "--limit-memory", default="1GiB", help="limit-memory: both engines' KV limit"
+    )
     parser.add_argument("--starts", type=int, default=10, help="seed-a: second-engine starts")
     parser.add_argument("--start-deadline-s", type=float, default=60.0)
     parser.add_argument("--seed-budget", default="8GiB", help="seed-a: the share's budget")
