@@ -9,6 +9,7 @@ starting together on one GPU are tests/test_seed_scenarios.py's two-engine test 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -248,3 +249,55 @@ async def test_driver_out_of_memory_is_a_map_error_not_a_crash_or_a_hang(contigu
             torch.cuda.empty_cache()
         ids = await asyncio.wait_for(kv.alloc(64, timeout=5.0), 10.0)
         kv.free(ids)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("sync_before_unmap", [False, True], ids=["plain", "synced_unmap"])
+def test_a_graph_captures_while_another_thread_maps_and_unmaps(sync_before_unmap):
+    """Note [Graph capture beside the mapper]: vLLM captures CUDA graphs at start while kvasync's
+    threads map, unmap, create handles and (a tensor-parallel rank) sync before an unmap. None of
+    those calls may invalidate the capture; a synced unmap that conflicts with it may fail, as a
+    value, and leaves its pages mapped."""
+    backend = _core.CudaBackend(0, 2, 16, PAGE, 0, 0.95)  # no spares: every map creates handles
+    backend.sync_before_unmap = sync_before_unmap
+    stop, started = threading.Event(), threading.Event()
+    cycles, failures = [0], []
+
+    def churn() -> None:
+        mapped = False
+        while not stop.is_set():
+            try:
+                if not mapped:
+                    _core.backend_time_map(backend, 0, 4)
+                    mapped = True
+                _core.backend_time_unmap(backend, 0, 4)
+                mapped = False
+                cycles[0] += 1
+            except kvasync.KVAsyncError as error:  # the pages stay mapped: the next try unmaps
+                failures.append(str(error))
+            started.set()
+
+    x = torch.ones(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10.0), "the churn thread made no first map and unmap within 10 s"
+        before = cycles[0]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the default, global capture mode, as vLLM's
+            y = x
+            for _ in range(3000):  # long enough for the churn to run inside it
+                y = y * 1.0001
+        during = cycles[0] - before + len(failures)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        thread.join(10.0)
+    assert not thread.is_alive()
+    assert during > 0, "no map or unmap ran during the capture: the test proved nothing"
+    assert torch.allclose(y, torch.full_like(x, 1.0001**3000))
+    assert all("CAPTURE" in failure for failure in failures), failures
+    print(f"{during} map/unmap cycles during the capture; failed unmaps: {failures[:3]}")

@@ -89,6 +89,16 @@ ScopedContext::~ScopedContext() {
   if (previous_ != nullptr) CudaDriver::get().cuCtxSetCurrent(previous_);
 }
 
+RelaxedCaptureMode::RelaxedCaptureMode() {
+  // Note [Graph capture beside the mapper].
+  previous_ = cuda::CU_STREAM_CAPTURE_MODE_RELAXED;
+  exchanged_ = CudaDriver::get().cuThreadExchangeStreamCaptureMode(&previous_) == CUDA_SUCCESS;
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+  if (exchanged_) CudaDriver::get().cuThreadExchangeStreamCaptureMode(&previous_);
+}
+
 AddressReservation::AddressReservation(size_t bytes, size_t alignment) : bytes_(bytes) {
   const CudaDriver& driver = checked_driver();
   const CUresult result = driver.cuMemAddressReserve(&base_, bytes, alignment, 0, 0);
@@ -368,6 +378,7 @@ BackendResult CudaBackend::map(int64_t first, int64_t count) {
                                     " is already mapped");
     }
   }
+  const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
   const CUresult current = context_.make_current();
   if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
   std::vector<std::unique_ptr<PhysicalPage>> memory;
@@ -425,6 +436,7 @@ BackendResult CudaBackend::unmap(int64_t first, int64_t count) {
   if (first < 0 || count <= 0 || first + count > num_pages_) {
     return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: pages out of range");
   }
+  const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
   const CUresult current = context_.make_current();
   if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
   if (sync_before_unmap_) {  // never change a mapping under running GPU work (DESIGN.md, 6)
@@ -528,6 +540,7 @@ double CudaBackend::upkeep() {
   const bool stale = last_activity_ > info_time_ && info_total_ != 0;
   if (stale && quiet >= kMemoryInfoQuiet) {
     lock.unlock();
+    const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
     ScopedContext current(context_);
     refresh_memory_info();
     return 0;
@@ -545,12 +558,14 @@ double CudaBackend::upkeep() {
     to_release_.pop_back();
     ++released_;
     lock.unlock();
+    const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
     ScopedContext current(context_);
     surplus.reset();  // cuMemRelease, without the lock
     return 0;
   }
   --ahead_;
   lock.unlock();
+  const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
   ScopedContext current(context_);
   std::string error;
   std::unique_ptr<PhysicalPage> page;

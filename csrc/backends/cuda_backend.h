@@ -93,6 +93,33 @@ class ScopedContext {
   cuda::CUresult status_;
 };
 
+// Note [Graph capture beside the mapper]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// An engine captures CUDA graphs (vLLM at start, with torch.cuda.graph) while kvasync's own
+// threads call the driver: the mapper maps, unmaps, creates and releases handles, and a tensor-
+// parallel rank's sync thread calls cuCtxSynchronize before an unmap (Note [Bounded device sync]).
+// Under the default (global) capture mode a call the driver deems unsafe during a capture --
+// cuMemCreate, cuCtxSynchronize, ... -- from *any* thread of the process fails and invalidates the
+// capture under way: the engine's start dies with "operation not permitted when stream is
+// capturing". So every kvasync thread's driver calls run in the relaxed capture mode, set for the
+// call's scope and restored after it (cuThreadExchangeStreamCaptureMode is per thread: the
+// engine's own threads, which may be capturing, keep their mode). A call that still conflicts
+// with the capture (a device-wide sync while a stream captures) fails as a value: the unmap
+// fails, its pages stay mapped and go back to the reserve, and a later trim unmaps them.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode(RelaxedCaptureMode&&) = delete;
+  RelaxedCaptureMode& operator=(RelaxedCaptureMode&&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool exchanged_ = false;
+};
+
 // One reserved virtual range.
 class AddressReservation {
  public:

@@ -42,8 +42,13 @@ void run(const std::shared_ptr<DeviceSyncer::State>& state) {
     if (!state->requests.wait_for(kIdleSlice)) continue;
     // Read after the wake-up: this sync starts after every request up to `target` was posted.
     const uint64_t target = state->requested.load();
-    const cuda::CUresult result =
-        current != cuda::CUDA_SUCCESS ? current : driver.cuCtxSynchronize();
+    cuda::CUresult result = current;
+    if (result == cuda::CUDA_SUCCESS) {
+      // Note [Graph capture beside the mapper]: never invalidates an engine's capture; a sync that
+      // conflicts with one fails, and the unmap with it (the pages stay mapped).
+      const RelaxedCaptureMode relaxed;
+      result = driver.cuCtxSynchronize();
+    }
     if (result != cuda::CUDA_SUCCESS) {
       state->last_error.store(static_cast<int>(result));
       state->failed.store(target);

@@ -36,6 +36,7 @@ CudaDriver::CudaDriver() {
   resolve(library, "cuCtxGetCurrent", cuCtxGetCurrent, problem);
   resolve(library, "cuCtxSetCurrent", cuCtxSetCurrent, problem);
   resolve(library, "cuCtxSynchronize", cuCtxSynchronize, problem);
+  resolve(library, "cuThreadExchangeStreamCaptureMode", cuThreadExchangeStreamCaptureMode, problem);
   resolve(library, "cuMemGetInfo_v2", cuMemGetInfo, problem);
   resolve(library, "cuMemGetAllocationGranularity", cuMemGetAllocationGranularity, problem);
   resolve(library, "cuMemAddressReserve", cuMemAddressReserve, problem);

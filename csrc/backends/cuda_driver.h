@@ -36,6 +36,8 @@ constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 constexpr CUresult CUDA_ERROR_NO_DEVICE = 100;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+// cuda.h's CUstreamCaptureMode: what a thread may call while some stream captures a graph.
+constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
 constexpr int CU_MEM_HANDLE_TYPE_NONE = 0;
@@ -92,6 +94,7 @@ struct CudaDriver {
   CUresult (*cuCtxGetCurrent)(CUcontext*) = nullptr;
   CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
   CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuThreadExchangeStreamCaptureMode)(int*) = nullptr;
   CUresult (*cuMemGetInfo)(size_t*, size_t*) = nullptr;  // _v2
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*, int) = nullptr;
   CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
