@@ -135,6 +135,15 @@ def mode_limit_memory(run: Run) -> dict[str, Any]:
                 values = [s[key] for s in samples if key in s and not math.isnan(s[key])]
                 entry[f"{key}_peak"] = max(values) if values else None
                 entry[f"{key}_first"] = values[0] if values else None
+            # Outside torch's allocator and kvasync's mapped KV, at one moment: the CUDA context,
+            # NCCL, graphs' pools, and kvasync's pooled (unmapped) handles.
+            others = [
+                s["device_gib"] - s["torch_reserved_gib"] - (s.get("mapped_gib") or 0.0)
+                for s in samples
+                if not math.isnan(s.get("device_gib", math.nan) + s.get("torch_reserved_gib", 0))
+            ]
+            entry["other_gib_peak"] = max(others) if others else None
+            entry["other_gib_first"] = others[0] if others else None
             entry["kv_blocks"] = result.get("kv_blocks")
         except FAILURES as error:
             entry["failure"] = str(error)

@@ -640,6 +640,7 @@ def report_limit_memory(data: dict[str, Any], out: pathlib.Path) -> None:
                 cell(entry, "torch_reserved_gib"),
                 cell(entry, "torch_allocated_gib"),
                 cell(entry, "mapped_gib"),
+                cell(entry, "other_gib"),
                 str(entry.get("kv_blocks", "-")),
                 entry.get("failure", ""),
             ]
@@ -651,11 +652,12 @@ def report_limit_memory(data: dict[str, Any], out: pathlib.Path) -> None:
             "torch reserved GiB",
             "torch allocated GiB",
             "kvasync mapped GiB",
+            "device - torch - mapped GiB",
             "KV blocks",
             "failure",
         ],
         rows,
-        justify=["left", "right", "right", "right", "right", "right", "left"],
+        justify=["left", "right", "right", "right", "right", "right", "right", "left"],
     )
 
 
