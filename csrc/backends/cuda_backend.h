@@ -95,17 +95,22 @@ class ScopedContext {
 
 // Note [Graph capture beside the mapper]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-// An engine captures CUDA graphs (vLLM at start, with torch.cuda.graph) while kvasync's own
-// threads call the driver: the mapper maps, unmaps, creates and releases handles, and a tensor-
-// parallel rank's sync thread calls cuCtxSynchronize before an unmap (Note [Bounded device sync]).
-// Under the default (global) capture mode a call the driver deems unsafe during a capture --
-// cuMemCreate, cuCtxSynchronize, ... -- from *any* thread of the process fails and invalidates the
-// capture under way: the engine's start dies with "operation not permitted when stream is
-// capturing". So every kvasync thread's driver calls run in the relaxed capture mode, set for the
-// call's scope and restored after it (cuThreadExchangeStreamCaptureMode is per thread: the
-// engine's own threads, which may be capturing, keep their mode). A call that still conflicts
-// with the capture (a device-wide sync while a stream captures) fails as a value: the unmap
-// fails, its pages stay mapped and go back to the reserve, and a later trim unmaps them.
+// An engine captures CUDA graphs (vLLM at start, with torch.cuda.graph, in the default global
+// capture mode) while kvasync's own threads call the driver: the mapper maps, unmaps, creates and
+// releases handles, and a tensor-parallel rank's sync thread calls cuCtxSynchronize before an
+// unmap (Note [Bounded device sync]). Measured on an H200, driver 580.159 (2026-12-02,
+// bench/probes/capture_probe.py: another thread's call in the middle of a global capture):
+//  - cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease succeed and the capture
+//    survives, whether the calling thread's capture mode is global or relaxed;
+//  - cuCtxSynchronize fails (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates the capture,
+//    in either mode: the engine's start dies.
+// So: (1) syncs are gated (cuda_device_sync.h): a capture closes the gate (kvasync's wrapper of
+// torch.cuda.CUDAGraph.capture_begin/_end, installed by the ranks that sync), waiting for a sync
+// already in the driver; a sync asked for meanwhile fails at once, the unmap with it, and its
+// pages stay mapped (a later trim unmaps them). (2) Every kvasync thread's driver calls still run
+// in the relaxed capture mode for their scope (restored after: the mode is per thread, so the
+// engine's own threads keep theirs), so that a driver that deems a VMM call unsafe during capture
+// fails that call instead of invalidating the engine's capture.
 class RelaxedCaptureMode {
  public:
   RelaxedCaptureMode();

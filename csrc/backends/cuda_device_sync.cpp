@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -35,6 +36,35 @@ constexpr auto kIdleSlice = std::chrono::milliseconds(100);
 // may take while another waits; the slice bounds what the other loses.
 constexpr auto kReplySlice = std::chrono::milliseconds(1);
 
+// The gate of Note [Graph capture beside the mapper] (in the header). A leaf lock, held only to
+// read and change the two counts, never across a driver call.
+struct CaptureGate {
+  std::mutex mutex;
+  int captures = 0;  // graphs being captured in this process
+  int syncing = 0;   // cuCtxSynchronize calls in the driver now
+};
+
+CaptureGate& capture_gate() {
+  static CaptureGate gate;
+  return gate;
+}
+
+// A sync that a capture under way forbids: the driver's own code for it.
+constexpr cuda::CUresult kCaptureInProgress = 900;  // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+
+cuda::CUresult gated_sync(const cuda::CudaDriver& driver) {
+  CaptureGate& gate = capture_gate();
+  {
+    std::lock_guard<std::mutex> lock(gate.mutex);
+    if (gate.captures > 0) return kCaptureInProgress;
+    ++gate.syncing;
+  }
+  const cuda::CUresult result = driver.cuCtxSynchronize();
+  std::lock_guard<std::mutex> lock(gate.mutex);
+  --gate.syncing;
+  return result;
+}
+
 void run(const std::shared_ptr<DeviceSyncer::State>& state) {
   const cuda::CudaDriver& driver = cuda::CudaDriver::get();
   const cuda::CUresult current = state->context.make_current();
@@ -44,10 +74,10 @@ void run(const std::shared_ptr<DeviceSyncer::State>& state) {
     const uint64_t target = state->requested.load();
     cuda::CUresult result = current;
     if (result == cuda::CUDA_SUCCESS) {
-      // Note [Graph capture beside the mapper]: never invalidates an engine's capture; a sync that
-      // conflicts with one fails, and the unmap with it (the pages stay mapped).
+      // Note [Graph capture beside the mapper]: not while a graph is captured (the gate); a sync
+      // refused fails the unmap, whose pages stay mapped.
       const RelaxedCaptureMode relaxed;
-      result = driver.cuCtxSynchronize();
+      result = gated_sync(driver);
     }
     if (result != cuda::CUDA_SUCCESS) {
       state->last_error.store(static_cast<int>(result));
@@ -59,6 +89,34 @@ void run(const std::shared_ptr<DeviceSyncer::State>& state) {
 }
 
 }  // namespace
+
+bool begin_graph_capture(Clock::time_point deadline) {
+  CaptureGate& gate = capture_gate();
+  for (bool first = true;; first = false) {
+    {
+      std::lock_guard<std::mutex> lock(gate.mutex);
+      if (first) ++gate.captures;  // from here no sync starts
+      if (gate.syncing == 0) return true;
+      if (Clock::now() >= deadline) {
+        --gate.captures;
+        return false;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+void end_graph_capture() {
+  CaptureGate& gate = capture_gate();
+  std::lock_guard<std::mutex> lock(gate.mutex);
+  if (gate.captures > 0) --gate.captures;
+}
+
+int graph_captures_in_progress() {
+  CaptureGate& gate = capture_gate();
+  std::lock_guard<std::mutex> lock(gate.mutex);
+  return gate.captures;
+}
 
 DeviceSyncer::DeviceSyncer(int device) : state_(std::make_shared<State>(device)) {
   std::thread([state = state_] { run(state); }).detach();

@@ -28,6 +28,18 @@
 
 namespace kvasync {
 
+// Note [Graph capture beside the mapper] (cuda_backend.h): a cuCtxSynchronize while any stream of
+// the process captures a CUDA graph invalidates that capture, whatever the syncing thread's capture
+// mode (measured on an H200: bench/probes/capture_probe.py; the VMM calls do not). So the syncs
+// are gated: begin_graph_capture() closes the gate and waits for a sync in flight to return (until
+// `deadline`: false if one is still in the driver then, and the gate stays open); while it is
+// closed a sync fails at once (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: the unmap fails and its pages
+// stay mapped); end_graph_capture() opens it again. Process-wide, counted: captures may nest or
+// run on several threads.
+bool begin_graph_capture(std::chrono::steady_clock::time_point deadline);
+void end_graph_capture();
+int graph_captures_in_progress();
+
 class DeviceSyncer {
  public:
   // Starts the sync thread for `device` (retains its primary context). Throws BackendError.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backends/cuda_backend.h"
+#include "backends/cuda_device_sync.h"
 #include "common/errors.h"
 #include "common/trace.h"
 
@@ -315,6 +316,25 @@ void bind_cuda(py::module_& m) {
         },
         py::arg("device"), "Why the cuda backend cannot be used on `device`, or None.");
   m.def("cuda_granularity", &CudaBackend::device_granularity, py::arg("device"));
+  // Note [Graph capture beside the mapper]: the gate that keeps device syncs out of a capture.
+  m.def("cuda_graph_capture_begin",
+        [](double timeout_s) {
+          if (!(timeout_s > 0.0 && timeout_s <= 86400.0)) {
+            throw py::value_error("timeout_s must be in (0, 86400] seconds, got " +
+                                  std::to_string(timeout_s));
+          }
+          py::gil_scoped_release no_gil;
+          const auto deadline = std::chrono::steady_clock::now() +
+                                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                    std::chrono::duration<double>(timeout_s));
+          return begin_graph_capture(deadline);
+        },
+        py::arg("timeout_s"),
+        "Close the sync gate for a CUDA graph capture; False if a device sync was still running "
+        "at the timeout (the gate is then left open).");
+  m.def("cuda_graph_capture_end", &end_graph_capture, "Open the sync gate after a capture.");
+  m.def("cuda_graph_captures", &graph_captures_in_progress,
+        "How many graph captures the sync gate is closed for now.");
   m.def("cuda_device_of",
         [](const std::shared_ptr<Backend>& backend) -> std::optional<int> {
           const int device = cuda_device_of(*backend);

@@ -8,6 +8,8 @@ cuda-python (``cuda.bindings.driver``), imported only when asked.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
 import torch
@@ -15,7 +17,13 @@ from torch.utils.dlpack import from_dlpack
 
 from . import _core
 
-__all__ = ["driver_problem", "make_fence", "mem_get_info", "range_tensor"]
+__all__ = [
+    "driver_problem",
+    "guard_graph_captures",
+    "make_fence",
+    "mem_get_info",
+    "range_tensor",
+]
 
 
 def driver_problem(device: int = 0) -> str | None:
@@ -100,3 +108,59 @@ def mem_get_info(device: int = 0) -> tuple[int, int]:
     finally:
         ok(driver.cuDevicePrimaryCtxRelease(handle))
     return int(free), int(total)
+
+
+# How long a capture waits for a device sync already in the driver (it waits for the device's
+# queued work, which a healthy engine finishes in milliseconds).
+CAPTURE_GATE_TIMEOUT_S = 10.0
+_guard_lock = threading.Lock()
+_guarded = False
+
+
+def guard_graph_captures() -> None:
+    """Keeps this process's device syncs out of every CUDA graph it captures from now on.
+
+    A tensor-parallel rank syncs the device before each unmap (Note [Bounded device sync]); a sync
+    while any stream captures invalidates the capture (Note [Graph capture beside the mapper] in
+    csrc/backends/cuda_backend.h). This wraps ``torch.cuda.CUDAGraph.capture_begin`` and
+    ``capture_end`` (what ``torch.cuda.graph`` and vLLM's capture call) so that a capture closes
+    the C++ sync gate for its duration: syncs asked for meanwhile fail (the unmap fails and its
+    pages stay mapped), and one already in the driver is waited for first. Once per process;
+    later calls do nothing.
+
+    Raises:
+        RuntimeError: (from a capture) a sync in flight did not return within
+            ``CAPTURE_GATE_TIMEOUT_S``: the capture would have been invalidated.
+    """
+    global _guarded
+    with _guard_lock:
+        if _guarded:
+            return
+        graph_class = torch.cuda.CUDAGraph
+        begin, end = graph_class.capture_begin, graph_class.capture_end
+
+        @functools.wraps(begin)
+        def capture_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+            if not _core.cuda_graph_capture_begin(CAPTURE_GATE_TIMEOUT_S):
+                raise RuntimeError(
+                    "kvasync: a device sync before an unmap was still running after "
+                    f"{CAPTURE_GATE_TIMEOUT_S:.0f} s, so a CUDA graph captured now would be "
+                    "invalidated (Note [Graph capture beside the mapper]); the device's queued "
+                    "work is not finishing"
+                )
+            try:
+                begin(self, *args, **kwargs)
+            except BaseException:
+                _core.cuda_graph_capture_end()
+                raise
+
+        @functools.wraps(end)
+        def capture_end(self: Any) -> None:
+            try:
+                end(self)
+            finally:
+                _core.cuda_graph_capture_end()
+
+        setattr(graph_class, "capture_begin", capture_begin)  # noqa: B010
+        setattr(graph_class, "capture_end", capture_end)  # noqa: B010
+        _guarded = True

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ... import _core
+from ... import _core, _cuda
 from ..._config import Config
 from ..._errors import AllocTimeout, KVAsyncError, MapError
 from ..._group import RankMapper, TensorParallel, group_geometry
@@ -298,6 +298,8 @@ def rank_kv_cache_tensors(
         # for this process's work on the device first, within unmap_sync_timeout (Note
         # [Bounded device sync]).
         backend.sync_before_unmap = True
+        # vLLM captures CUDA graphs after this: no sync may run inside a capture.
+        _cuda.guard_graph_captures()
         return backend
 
     ranked = open_rank_tensors(
