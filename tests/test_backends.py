@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import kvasync
-from kvasync._backends import HOST_PAGE_SIZE, default_page_size
+from kvasync._backends import HOST_PAGE_SIZE, default_page_size, pooled_handle_pages
 
 MIB = 1 << 20
 GRANULARITY = 2 * MIB
@@ -57,3 +57,13 @@ def test_page_size_must_be_none_or_a_positive_multiple_of_4096(bad):
 
 def test_page_size_default_is_none():
     assert kvasync.Config().page_size is None
+
+
+def test_pooled_handles_are_the_reserve_high_watermark_unless_memory_is_bounded():
+    """A pooled handle is device memory nothing maps: a memory limit or a share's budget counts
+    mapped pages only, so under either the cuda backend pools none (bench/RESULTS.md: 1 GiB of
+    pooled handles beside a 1 GiB limit under vLLM on an H200)."""
+    free = kvasync.Config(reserve_pages=(2, 5))
+    assert pooled_handle_pages(free) == 5
+    assert pooled_handle_pages(kvasync.Config(reserve_pages=(2, 5), memory_limit=1 << 30)) == 0
+    assert pooled_handle_pages(kvasync.Config(reserve_pages=(2, 5), share="cuda0")) == 0

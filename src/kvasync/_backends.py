@@ -28,6 +28,21 @@ HOST_PAGE_SIZE = 2 << 20
 _MAX_RANGE_BYTES = 2**63 - 1  # int64: the size type of every backend's range
 
 
+def pooled_handle_pages(config: Config) -> int:
+    """How many page ids of unmapped physical handles the cuda backend may keep for reuse.
+
+    The reserve's high watermark; none on a share or under a memory limit. A pooled handle is
+    device memory that nothing maps: a share's budget and a memory limit count mapped pages only,
+    so handles pooled beside them would hold memory past what they promise (measured on an H200
+    under vLLM with a 1 GiB limit: 1.0 GiB of pooled handles beside 1.0 GiB mapped;
+    bench/RESULTS.md).
+    Without them each map creates its handles (about 13 us each, DESIGN.md's table).
+    """
+    if config.share is not None or config.memory_limit is not None:
+        return 0
+    return config.reserve_pages[1]
+
+
 def cuda_driver_error(device: int = 0) -> str | None:
     """Why the cuda backend cannot be used on ``device`` here, or None when it can."""
     return _cuda.driver_problem(device)
@@ -108,14 +123,12 @@ def create_backend(
     if name == "host":
         backend = _core.HostBackend(layout.num_ranges, num_pages, page_size)
     else:
-        # The handle pool keeps up to the reserve's high watermark of unmapped handles; none on
-        # a share, whose budget counts mapped pages only (a pooled handle is memory too).
         backend = _core.CudaBackend(
             config.device,
             layout.num_ranges,
             num_pages,
             page_size,
-            0 if config.share is not None else config.reserve_pages[1],
+            pooled_handle_pages(config),
             config.gpu_utilization,
         )
     if config.faults is not None:

@@ -291,7 +291,13 @@ def rank_kv_cache_tensors(
             )
         spare = reserve_pages_for(layout, page_size, step_blocks(vllm_config, layout.block_size))[1]
         backend = _core.CudaBackend(
-            ordinal, num_ranges, num_pages, page_size, 0 if settings.share else spare, 0.95
+            ordinal,
+            num_ranges,
+            num_pages,
+            page_size,
+            # No pooled handles where memory is bounded: _backends.pooled_handle_pages says why.
+            0 if settings.share or settings.memory_limit is not None else spare,
+            0.95,
         )
         # The EngineCore frees blocks with no fence of this process's GPU work (async
         # scheduling may still be reading a finished request's blocks): every unmap here waits
