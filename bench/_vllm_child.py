@@ -44,6 +44,17 @@ MODEL_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# A Llama-3-8B-shaped config, for runs where the GPU, not vLLM's per-step CPU work, should set
+# the pace (``bench_vllm.py --model 8b``; only the throughput and identity modes take it).
+MODEL_CONFIG_8B = dict(
+    MODEL_CONFIG,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+MODEL_CONFIGS = {"1b": MODEL_CONFIG, "8b": MODEL_CONFIG_8B}
 # KV bytes of one token across all layers: K and V, 8 heads of 64, bf16, 16 layers (32 KiB).
 TOKEN_KV_BYTES = 2 * 8 * 64 * 2 * 16
 GIB = 2**30
@@ -52,12 +63,12 @@ GIB = 2**30
 AFTER_SNAPSHOT = ("Loading model from scratch", "Starting to load model")
 
 
-def write_model_config(directory: pathlib.Path) -> pathlib.Path:
+def write_model_config(directory: pathlib.Path, model: str = "1b") -> pathlib.Path:
     """Writes the model's config.json (atomically: several engines may start at once)."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / "config.json"
     staging = directory / f".config.{os.getpid()}.json"
-    staging.write_text(json.dumps(MODEL_CONFIG))
+    staging.write_text(json.dumps(MODEL_CONFIGS[model]))
     os.replace(staging, target)
     return directory
 

@@ -356,7 +356,8 @@ class Run:
         # Each engine's spec, events, log and result: many files, so not in ``out`` (a device
         # call brings back at most 8 files); ``archive`` packs them into one.
         self.work: pathlib.Path = args.work or pathlib.Path(tempfile.mkdtemp(prefix="vllm-bench-"))
-        self.model_dir = write_model_config(pathlib.Path.home() / "llama-1b-config")
+        model = getattr(args, "model", "1b")
+        self.model_dir = write_model_config(pathlib.Path.home() / f"llama-{model}-config", model)
         self.tag = f"{os.getpid()}"
 
     def archive(self) -> pathlib.Path:

@@ -464,6 +464,12 @@ def main() -> None:
     parser.add_argument(
         "--limit", default="38GiB", help="identity, throughput: kvasync's memory limit"
     )
+    parser.add_argument(
+        "--model",
+        choices=("1b", "8b"),
+        default="1b",
+        help="the Llama-architecture config with dummy weights (8b: for throughput, GPU-bound)",
+    )
     parser.add_argument("--pairs", type=int, default=40, help="throughput: pairs of rounds (most)")
     parser.add_argument(
         "--pair-round",
