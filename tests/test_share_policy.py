@@ -13,8 +13,9 @@ After every step:
   pages;
 * no waiter waits past its deadline while memory is free: an alloc whose pages fit in the budget
   less what the others hold in use or claim by demand succeeds within ``RECLAIM_DEADLINE_S``,
-  taking back the reserves of idle members (fast reclaim); every alloc returns within its
-  deadline plus ``SLACK_S``.
+  taking back the reserves of idle members (fast reclaim), and so does one that keeps its member
+  within its guaranteed minimum (budget / members) and fits beside what the others hold in use,
+  whatever they claim; every alloc returns within its deadline plus ``SLACK_S``.
 
 ``KVASYNC_MODEL_EXAMPLES`` scales the number of examples (``make soak`` sets it).
 
@@ -142,6 +143,13 @@ class SharePolicyMachine(RuleBasedStateMachine):
         kv = self.kvs[index]
         others = sum(self.claim_pages(j) for j in range(MEMBERS) if j != index)
         fits = others + self.in_use_pages(index) + pages_of(n) <= BUDGET_PAGES
+        # Within its guaranteed minimum (budget / members), what the others claim does not
+        # count: only what they hold in use (issue 27: free budget went unused beside it).
+        mine = self.in_use_pages(index) + pages_of(n)
+        held_by_others = sum(self.in_use_pages(j) for j in range(MEMBERS) if j != index)
+        within_minimum = mine <= BUDGET_PAGES // MEMBERS and held_by_others + mine <= BUDGET_PAGES
+        claimed_against = within_minimum and not fits
+        fits = fits or within_minimum
         committed = sum(e.committed_bytes for e in ledger.snapshot(self.share)) // PAGE_BYTES
         timeout = RECLAIM_DEADLINE_S if fits else 0.05
         start = time.monotonic()
@@ -150,11 +158,13 @@ class SharePolicyMachine(RuleBasedStateMachine):
         except kvasync.AllocTimeout as error:
             assert not fits, (
                 f"member-{index} waited {time.monotonic() - start:.3f} s for {n} blocks that fit "
-                f"the budget less the others' claims ({others} pages): {error}"
+                f"the budget less the others' claims ({others} pages), or its minimum: {error}"
             )
             event("alloc timed out: the memory was held in use or claimed")
         else:
             self.held[index].append(blocks)
+            if claimed_against:
+                event("alloc within its minimum served though the others claimed the budget")
             if fits and committed + pages_of(n) > BUDGET_PAGES:
                 event("alloc served by taking back other members' free pages")
         assert time.monotonic() - start <= timeout + SLACK_S
