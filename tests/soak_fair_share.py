@@ -10,8 +10,9 @@ one role:
   at ``drain_from()`` (it does not vacate, whatever its fair share), frees, and again;
 - *churner*: allocates 1-``CHURN_PAGES`` pages with short deadlines, holds them a moment, frees,
   now and then trims;
-- *claimer*: only reports demand (``set_demand`` of its whole capacity, every 50 ms, some
-  flapping it to 0 and back), and never allocates: a claim that no request follows;
+- *claimer*: only reports demand (``set_demand`` of its whole capacity, every 50 ms; half of
+  them report 0 once every 0.5-3 s and claim anew), and never allocates: a claim that no
+  request follows;
 - *probe*: asks again and again for ``PROBE_PAGES`` pages (at most budget / members, whatever
   the membership), holds them a moment and frees them.
 
@@ -217,13 +218,17 @@ class Member:
                     await self.kv.trim(timeout=0.5)
 
     async def claim(self) -> None:
+        # Every 50 ms the whole capacity; half the claimers drop to 0 for one report every
+        # 0.5-3 s and claim anew (which renews nothing: no request follows).
         assert self.kv is not None
         flapping = self.rng.random() < 0.5
-        claiming = True
+        next_flap = time.monotonic() + self.rng.uniform(0.5, 3.0)
         while True:
-            self.kv.set_demand(self.kv.num_blocks if claiming else 0)
-            if flapping:
-                claiming = not claiming
+            if flapping and time.monotonic() >= next_flap:
+                self.kv.set_demand(0)
+                next_flap = time.monotonic() + self.rng.uniform(0.5, 3.0)
+            else:
+                self.kv.set_demand(self.kv.num_blocks)
             await asyncio.sleep(0.05)
 
     async def probe(self) -> None:
