@@ -52,16 +52,18 @@ sanitize:
 	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 		build/asan/group_stress --seconds $(GROUP_STRESS_SECONDS) --seed $(STRESS_SEED)
 
-# Not in CI: three loads of SOAK_SECONDS each (default 600), every one run and its table printed
+# Not in CI: four loads of SOAK_SECONDS each (default 600), every one run and its table printed
 # even when one before failed: random operations with faults (tests/soak.py), 16 processes on one
 # share under kill -9 (tests/soak_share.py), streaming HTTP connections dropped mid-stream
-# (tests/soak_streaming.py); then the model-based test with KVASYNC_MODEL_EXAMPLES examples
-# (default 1000). Fails on any leak, double handout, budget overrun, missed deadline or growth of
+# (tests/soak_streaming.py), the fair-share policy under churn and members that only claim
+# (tests/soak_fair_share.py); then the model-based test with KVASYNC_MODEL_EXAMPLES examples
+# (default 1000). Fails on any leak, double handout, budget overrun, missed deadline, member held
+# below its guaranteed minimum while budget is free, claim counted past its bound, or growth of
 # RSS or open fds.
 SOAK_SECONDS ?= 600
 KVASYNC_MODEL_EXAMPLES ?= 1000
 soak: install
-	status=0; for part in soak soak_share soak_streaming; do \
+	status=0; for part in soak soak_share soak_streaming soak_fair_share; do \
 		SOAK_SECONDS=$(SOAK_SECONDS) $(PY) tests/$$part.py || status=1; done; exit $$status
 	KVASYNC_MODEL_EXAMPLES=$(KVASYNC_MODEL_EXAMPLES) $(PY) -m pytest tests/test_model_based.py -q \
 		--timeout=3600 --hypothesis-show-statistics

@@ -13,17 +13,24 @@ After every step:
   pages;
 * no waiter waits past its deadline while memory is free: an alloc whose pages fit in the budget
   less what the others hold in use or claim by demand succeeds within ``RECLAIM_DEADLINE_S``,
-  taking back the reserves of idle members (fast reclaim); every alloc returns within its
-  deadline plus ``SLACK_S``.
+  taking back the reserves of idle members (fast reclaim), and so does one that keeps its member
+  within its guaranteed minimum (budget / members) and fits beside what the others hold in use,
+  whatever they claim; every alloc returns within its deadline plus ``SLACK_S``.
 
 ``KVASYNC_MODEL_EXAMPLES`` scales the number of examples (``make soak`` sets it).
 
 One smaller case runs in real processes: a member holding pages in use steps down to its
 demand-weighted fair share, not to budget / members, when another process waits.
+
+Claimed demand (issue 27, defect 2): a member's report of demand it does not hold or wait for
+(a claim) never keeps free budget from a member below its guaranteed minimum, stops counting
+within the claim hold when no request follows it (Note [Demand claims] in
+csrc/pool/limit_policy.h), and a share's timeout names what holds the budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -40,12 +47,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ledger_lock_taken
+from conftest import ledger_lock_taken, wait_until
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvasync
+import kvasync.testing
 from kvasync import _core, ledger
 
 LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
@@ -135,6 +143,13 @@ class SharePolicyMachine(RuleBasedStateMachine):
         kv = self.kvs[index]
         others = sum(self.claim_pages(j) for j in range(MEMBERS) if j != index)
         fits = others + self.in_use_pages(index) + pages_of(n) <= BUDGET_PAGES
+        # Within its guaranteed minimum (budget / members), what the others claim does not
+        # count: only what they hold in use (issue 27: free budget went unused beside it).
+        mine = self.in_use_pages(index) + pages_of(n)
+        held_by_others = sum(self.in_use_pages(j) for j in range(MEMBERS) if j != index)
+        within_minimum = mine <= BUDGET_PAGES // MEMBERS and held_by_others + mine <= BUDGET_PAGES
+        claimed_against = within_minimum and not fits
+        fits = fits or within_minimum
         committed = sum(e.committed_bytes for e in ledger.snapshot(self.share)) // PAGE_BYTES
         timeout = RECLAIM_DEADLINE_S if fits else 0.05
         start = time.monotonic()
@@ -143,11 +158,13 @@ class SharePolicyMachine(RuleBasedStateMachine):
         except kvasync.AllocTimeout as error:
             assert not fits, (
                 f"member-{index} waited {time.monotonic() - start:.3f} s for {n} blocks that fit "
-                f"the budget less the others' claims ({others} pages): {error}"
+                f"the budget less the others' claims ({others} pages), or its minimum: {error}"
             )
             event("alloc timed out: the memory was held in use or claimed")
         else:
             self.held[index].append(blocks)
+            if claimed_against:
+                event("alloc within its minimum served though the others claimed the budget")
             if fits and committed + pages_of(n) > BUDGET_PAGES:
                 event("alloc served by taking back other members' free pages")
         assert time.monotonic() - start <= timeout + SLACK_S
@@ -470,6 +487,221 @@ def test_a_members_own_flapping_demand_under_pressure_turns_its_limit_at_most_on
     finally:
         if os.path.exists(ledger.path(share)):
             os.unlink(ledger.path(share))
+
+
+# -- claimed demand against the guaranteed minimum (issue 27, defect 2) -----------------------
+
+CLAIM_BUDGET_PAGES = 16
+CLAIM_HOLD_S = 1.0  # DemandClaim::kClaimHold (_core.CLAIM_HOLD_S)
+WATCHER_TICK_S = 0.1  # ShareMember::kTick: a claim that lapsed is published at the next tick
+
+
+def sixteen_page_config(share: str, name: str, faults: Any = None) -> kvasync.Config:
+    """A member of ``share`` (host backend, no reserve) with a budget of 16 pages."""
+    return kvasync.Config(
+        backend="host",
+        max_blocks=CLAIM_BUDGET_PAGES * BLOCKS_PER_PAGE,
+        page_size=PAGE_SIZE,
+        reserve_pages=(0, 0),
+        share=share,
+        device_budget=CLAIM_BUDGET_PAGES * PAGE_BYTES,
+        name=name,
+        faults=faults,
+    )
+
+
+def entry(share: str, name: str) -> ledger.LedgerEntry:
+    (row,) = [e for e in ledger.snapshot(share) if e.name == name]
+    return row
+
+
+async def renew_claim(kv: kvasync.Allocator, blocks: int) -> None:
+    """A member that only claims: it reports `blocks` every 50 ms and never allocates."""
+    while True:
+        kv.set_demand(blocks)
+        await asyncio.sleep(0.05)
+
+
+async def test_a_member_below_its_minimum_gets_free_budget_whatever_another_claims(
+    share: str,
+) -> None:
+    # Issue 27 defect 2, as reported: budget 16 pages, 3 members. `x` holds 8 pages in use and
+    # does not vacate; `y` only claims (set_demand of the whole budget) and maps nothing; `w` asks
+    # for 5 pages (budget / members). The grant kept 5 of the 11 free pages for y's claim: w
+    # got 3 of its 5 and timed out after 3 s with 5 of 16 pages uncommitted (without y: 1 ms).
+    async with (
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "x")) as x,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "y")) as y,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "w")) as w,
+    ):
+        held = await x.alloc(8 * BLOCKS_PER_PAGE, timeout=5.0)
+        y.set_demand(y.num_blocks)
+        got = await w.alloc(5 * BLOCKS_PER_PAGE, timeout=3.0)
+        committed = {e.name: e.committed_bytes // PAGE_BYTES for e in ledger.snapshot(share)}
+        assert committed == {"x": 8, "y": 0, "w": 5}
+        w.free(got)
+        x.free(held)
+
+
+async def test_free_budget_goes_to_a_waiter_below_its_minimum_while_a_claim_counts(
+    share: str,
+) -> None:
+    # The same, with y's claim still counting throughout: y has a request of its own waiting
+    # (its map hangs), so its claim is followed by a request and never lapses (Note [Demand
+    # claims]). w is served from the free budget all the same: what y claims beyond what it
+    # holds and waits for never keeps free budget from a member below its minimum.
+    faults = kvasync.testing.FaultInjector()
+    async with (
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "x")) as x,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "y", faults)) as y,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "w")) as w,
+    ):
+        held = await x.alloc(8 * BLOCKS_PER_PAGE, timeout=5.0)
+        faults.hang()
+        hung = asyncio.ensure_future(y.alloc(1, timeout=30.0))
+        await wait_until(lambda: faults.hung_maps == 1, timeout=5.0)
+        y.set_demand(y.num_blocks)
+        assert entry(share, "y").demand_bytes == CLAIM_BUDGET_PAGES * PAGE_BYTES
+        got = await w.alloc(5 * BLOCKS_PER_PAGE, timeout=3.0)
+        # y's claim counted all along: w was served beside it, not after it lapsed.
+        assert entry(share, "y").demand_bytes == CLAIM_BUDGET_PAGES * PAGE_BYTES
+        committed = {e.name: e.committed_bytes // PAGE_BYTES for e in ledger.snapshot(share)}
+        assert committed == {"x": 8, "y": 1, "w": 5}
+        faults.release()
+        y.free(await hung)
+        w.free(got)
+        x.free(held)
+
+
+async def test_a_claim_not_followed_by_requests_stops_counting_after_the_claim_hold(
+    share: str,
+) -> None:
+    # Note [Demand claims]: x holds 8 pages in use and does not vacate; y claims the whole
+    # budget and renews its report every 50 ms, mapping nothing; w asks for 8 pages, 3 above
+    # its minimum. w gets its minimum at once; the 3 pages left free are y's by its claim, for
+    # the claim hold, then y's claim stops counting, renewed or not, and w gets them.
+    async with (
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "x")) as x,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "y")) as y,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "w")) as w,
+    ):
+        loop = asyncio.get_running_loop()
+        held = await x.alloc(8 * BLOCKS_PER_PAGE, timeout=5.0)
+        claimed_at = loop.time()
+        y.set_demand(y.num_blocks)
+        claiming = asyncio.ensure_future(renew_claim(y, y.num_blocks))
+        try:
+            assert entry(share, "y").demand_bytes == CLAIM_BUDGET_PAGES * PAGE_BYTES
+            waiting = asyncio.ensure_future(w.alloc(8 * BLOCKS_PER_PAGE, timeout=30.0))
+            await wait_until(lambda: entry(share, "w").committed_bytes == 5 * PAGE_BYTES, 5.0)
+            await wait_until(lambda: entry(share, "y").demand_bytes == 0, CLAIM_HOLD_S + 5.0)
+            lapsed_at = loop.time()
+            got = await asyncio.wait_for(waiting, 5.0)
+            served_at = loop.time()
+        finally:
+            claiming.cancel()
+        # The claim counted for its hold (w above its minimum waited for it), and no longer
+        # than the hold and the tick that publishes it, less the slack of a loaded machine.
+        assert served_at - claimed_at >= CLAIM_HOLD_S - 0.01
+        assert lapsed_at - claimed_at <= CLAIM_HOLD_S + WATCHER_TICK_S + SLACK_S
+        committed = {e.name: e.committed_bytes // PAGE_BYTES for e in ledger.snapshot(share)}
+        assert committed == {"x": 8, "y": 0, "w": 8}
+        w.free(got)
+        x.free(held)
+
+
+async def test_a_claim_followed_by_requests_keeps_counting(share: str) -> None:
+    # A claim is an engine's report of what it is about to ask for: while its requests follow
+    # (each alloc here needs a page mapped), it counts past the claim hold.
+    async with kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "y")) as y:
+        loop = asyncio.get_running_loop()
+        y.set_demand(12 * BLOCKS_PER_PAGE)
+        until = loop.time() + 2 * CLAIM_HOLD_S
+        while loop.time() < until:
+            y.free(await y.alloc(BLOCKS_PER_PAGE, timeout=5.0))  # a page mapped, then unmapped
+            assert entry(share, "y").demand_bytes == 12 * PAGE_BYTES
+            await asyncio.sleep(0.05)  # pacing the requests, not waiting for an event
+        # Requests stop: the claim lapses within the hold and a tick.
+        await wait_until(
+            lambda: entry(share, "y").demand_bytes == 0, CLAIM_HOLD_S + WATCHER_TICK_S + SLACK_S
+        )
+
+
+async def test_a_share_timeout_says_who_commits_who_claims_and_what_is_free(share: str) -> None:
+    # Issue 27: the timeout said "the share's device budget ... is taken" with 5 of 16 pages
+    # free. It now names what holds the budget: committed by whom, claimed by whom, and free.
+    pid = os.getpid()
+    async with (
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "x")) as x,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "y")) as y,
+        kvasync.open_allocator(LAYOUT, sixteen_page_config(share, "w")) as w,
+    ):
+        held = await x.alloc(8 * BLOCKS_PER_PAGE, timeout=5.0)
+        y.set_demand(y.num_blocks)
+        claiming = asyncio.ensure_future(renew_claim(y, y.num_blocks))
+        try:
+            with pytest.raises(kvasync.AllocTimeout) as timed_out:
+                await w.alloc(8 * BLOCKS_PER_PAGE, timeout=0.3)  # 3 above its minimum
+        finally:
+            claiming.cancel()
+        message = str(timed_out.value)
+        assert "taken" not in message, message
+        # w's own limit is not what holds it: its fair share is, while y's claim counts.
+        assert "held to its fair share of the share's budget, 5 page(s) of its own limit of 16" in (
+            message
+        ), message
+        assert (
+            "the share's device budget of 16 page(s) (4194304 bytes) has 3 page(s) free, kept "
+            f"for members that want more and are entitled to it: y (pid {pid}) 5 page(s); "
+            f"13 page(s) committed: x (pid {pid}) 8, w (this allocator) 5"
+        ) in message, message
+        x.free(held)
+
+        # All of it committed: then, and only then, the budget is taken.
+        held = await x.alloc(11 * BLOCKS_PER_PAGE, timeout=5.0)
+        mine = await w.alloc(5 * BLOCKS_PER_PAGE, timeout=5.0)
+        with pytest.raises(kvasync.AllocTimeout) as timed_out:
+            await w.alloc(BLOCKS_PER_PAGE, timeout=0.3)
+        message = str(timed_out.value)
+        assert (
+            "the share's device budget of 16 page(s) (4194304 bytes) is taken: 16 page(s) "
+            f"committed: x (pid {pid}) 11, w (this allocator) 5"
+        ) in message, message
+        w.free(mine)
+        x.free(held)
+
+
+def test_a_claim_counts_for_the_hold_and_after_each_request_never_after_a_mere_report() -> None:
+    # Note [Demand claims] on a clock of the test's own: (seconds, event) -> whether the claim
+    # counts just after. A report renews nothing; a request that needs pages does.
+    assert _core.CLAIM_HOLD_S == CLAIM_HOLD_S
+    hold = CLAIM_HOLD_S
+    events = [
+        (0.0, "claim"),  # the first claim counts for the hold
+        (hold - 0.01, "claim"),  # renewed by a report: no
+        (hold, "check"),
+        (hold + 1.0, "report"),  # not a claim (what it holds): nothing
+        (hold + 1.5, "claim"),  # a claim again, with no request since: does not count
+        (hold + 2.0, "request"),  # a request that needs pages: counts for the hold after it
+        (2 * hold + 2.0 - 0.01, "check"),
+        (2 * hold + 2.0, "check"),
+        (2 * hold + 2.5, "claim"),  # the first claim since that request: counts for the hold
+        (3 * hold + 2.5 - 0.01, "check"),
+        (3 * hold + 2.5, "check"),
+    ]
+    assert _core.demand_claim_trace(events) == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 # -- the limit policy on a clock of the test's own (Note [Limit policy]) -----------------------

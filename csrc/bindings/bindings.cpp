@@ -303,6 +303,32 @@ PYBIND11_MODULE(_core, m) {
         },
         py::arg("limit_pages"), py::arg("ticks"));
 
+  // Note [Demand claims]: whether a pool's claim counts after each of a sequence of events
+  // (seconds from a fixed start; "claim": a report above what the pool holds and waits for,
+  // "report": one that is not, "request": a request that needs pages, "check": none).
+  m.attr("CLAIM_HOLD_S") = std::chrono::duration<double>(DemandClaim::kClaimHold).count();
+  m.def("demand_claim_trace",
+        [](const std::vector<std::tuple<double, std::string>>& events) {
+          DemandClaim claim;
+          const auto start = DemandClaim::Clock::time_point{} + std::chrono::hours(1);
+          std::vector<bool> counts;
+          for (const auto& [at_s, event] : events) {
+            const auto now = start + std::chrono::duration_cast<DemandClaim::Clock::duration>(
+                                         std::chrono::duration<double>(at_s));
+            if (event == "claim" || event == "report") {
+              claim.reported(event == "claim", now);
+            } else if (event == "request") {
+              claim.requested(now);
+            } else if (event != "check") {
+              throw std::invalid_argument("demand_claim_trace: unknown event " + event +
+                                          " (claim, report, request or check)");
+            }
+            counts.push_back(claim.counts(now));
+          }
+          return counts;
+        },
+        py::arg("events"));
+
   m.def("spin_holding_gil",
         [](PoolHandle& pool, int64_t reserve_pages, double timeout_s) {
           // For tests: busy-waits *without* releasing the GIL until the reserve holds

@@ -336,6 +336,7 @@ struct ShareReading {
   int64_t fair_of[kLedgerEntries];
   int64_t unmet_of[kLedgerEntries];
   bool blocked_of[kLedgerEntries];
+  const LedgerEntry* entry_of[kLedgerEntries];  // for messages: who each member is
 
   bool has_budget() const { return budget != INT64_MAX && n > 0; }
   bool other_blocked() const {
@@ -352,6 +353,7 @@ void read_share(const LedgerFile& file, const LedgerEntry* self, ShareReading& r
     if (e.state.load() != 1) continue;
     const int i = r.n++;
     if (&e == self) r.self = i;
+    r.entry_of[i] = &e;
     r.committed_of[i] = e.committed_bytes.load();
     r.demand_of[i] = std::max<int64_t>(0, e.demand_bytes.load());
     r.page_of[i] = std::max<int64_t>(1, e.page_bytes.load());
@@ -846,8 +848,18 @@ ShareMember::Grant ShareMember::grant(int64_t pages, bool refill,
     // Note [Fair share under pressure]: never the budget another member is entitled to and
     // wants. Signed: a share already past its budget (lowered by a newcomer) has no headroom.
     int64_t headroom = r.budget - r.committed - r.others_unmet();
-    // A refill is an optimisation: it never takes memory another allocator is waiting for.
-    if (refill && r.other_blocked()) headroom = 0;
+    if (refill) {
+      // A refill is an optimisation: it never takes memory another allocator is waiting for.
+      if (r.other_blocked()) headroom = 0;
+    } else if (r.self >= 0) {
+      // But a request of a member below budget / members, its guaranteed minimum when it wants
+      // more, gets the free budget up to it, whatever the others claim: claims are reported,
+      // not checked, and the minima of all members fit the budget together.
+      const int64_t equal = r.budget / r.n / page_bytes_ * page_bytes_;
+      const int64_t to_minimum =
+          std::min(r.budget - r.committed, equal - r.committed_of[r.self]);
+      headroom = std::max(headroom, to_minimum);
+    }
     out.granted = std::clamp<int64_t>(headroom / page_bytes_, 0, pages);
   }
   entry().committed_bytes.fetch_add(out.granted * page_bytes_);
@@ -911,13 +923,6 @@ int64_t ShareMember::budget_pages() const {
 }
 
 std::string ShareMember::describe_budget() const {
-  int64_t total = 0, others = 0, budget = INT64_MAX;
-  for (const LedgerEntry& e : ledger_->file().entries) {
-    if (e.state.load() != 1) continue;
-    total += e.committed_bytes.load();
-    if (&e != &entry()) ++others;
-    if (e.budget_bytes.load() > 0) budget = std::min(budget, e.budget_bytes.load());
-  }
   std::ostringstream out;
   if (getpid() != pid_) {
     out << "this allocator was opened by process " << pid_
@@ -930,11 +935,77 @@ std::string ShareMember::describe_budget() const {
         << "any more; close it and open a new one (" << ledger_->path() << ")";
     return out.str();
   }
-  out << "the share's device budget";
-  if (budget != INT64_MAX) out << " of " << budget << " bytes";
-  out << " is taken (" << total << " bytes committed by " << others + 1
-      << " allocator(s), this one " << entry().committed_bytes.load()
-      << "): waiting for memory to be released (" << ledger_->path() << ")";
+  // What holds the budget, as the grants see it (atomics, without the lock): committed by whom,
+  // kept for whom (Note [Fair share under pressure]: the unmet entitlement of the others), and
+  // free. "Taken" only when nothing is free.
+  ShareReading r;
+  read_share(ledger_->file(), owns_entry() ? &entry() : nullptr, r);
+  if (!r.has_budget()) {
+    out << "the share has no device budget (" << ledger_->path() << ")";
+    return out.str();
+  }
+  const auto amount = [&](int64_t bytes) {
+    return bytes % page_bytes_ == 0 ? std::to_string(bytes / page_bytes_)
+                                    : std::to_string(bytes) + " bytes";
+  };
+  const auto pages = [&](int64_t bytes) {
+    return bytes % page_bytes_ == 0 ? amount(bytes) + " page(s)" : amount(bytes);
+  };
+  const auto who = [&](int i) {
+    const LedgerEntry& e = *r.entry_of[i];
+    const std::string name = read_text(e.name, sizeof e.name);
+    if (i == r.self) return (name.empty() ? std::string() : name + " ") + "(this allocator)";
+    const std::string pid = "pid " + std::to_string(e.pid.load());
+    return name.empty() ? pid : name + " (" + pid + ")";
+  };
+  // The members with a nonzero figure, largest first, at most kNamed of them named.
+  constexpr int kNamed = 8;
+  const auto listing = [&](const int64_t* figure, bool with_unit, bool others_only) {
+    std::vector<int> order;
+    for (int i = 0; i < r.n; ++i) {
+      if (figure[i] > 0 && !(others_only && i == r.self)) order.push_back(i);
+    }
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return figure[a] > figure[b]; });
+    std::string text;
+    int64_t rest = 0;
+    for (size_t k = 0; k < order.size(); ++k) {
+      if (k >= static_cast<size_t>(kNamed)) {
+        rest += figure[order[k]];
+        continue;
+      }
+      text += (k ? ", " : "") + who(order[k]) + " " +
+              (with_unit ? pages(figure[order[k]]) : amount(figure[order[k]]));
+    }
+    if (order.size() > static_cast<size_t>(kNamed)) {
+      text += " and " + std::to_string(order.size() - kNamed) + " more (" + pages(rest) + ")";
+    }
+    return text.empty() ? std::string("none") : text;
+  };
+  const int64_t free = r.budget - r.committed;
+  const int64_t kept = std::min(std::max<int64_t>(free, 0), r.others_unmet());
+  out << "the share's device budget of " << pages(r.budget);
+  if (r.budget % page_bytes_ == 0) out << " (" << r.budget << " bytes)";
+  if (free <= 0) {
+    out << " is taken: " << pages(r.committed)
+        << " committed: " << listing(r.committed_of, false, false)
+        << ": waiting for memory to be released";
+  } else {
+    out << " has " << pages(free) << " free";
+    if (kept > 0) {
+      out << ", " << (kept < free ? pages(kept) + " of it " : std::string())
+          << "kept for members that want more and are entitled to it: "
+          << listing(r.unmet_of, true, true);
+    }
+    out << "; " << pages(r.committed)
+        << " committed: " << listing(r.committed_of, false, false)
+        << ": waiting for memory to be released";
+    if (kept > 0) {
+      out << ", or for claims that no request follows to lapse ("
+          << std::chrono::duration<double>(DemandClaim::kClaimHold).count() << " s)";
+    }
+  }
+  out << " (" << ledger_->path() << ")";
   return out.str();
 }
 

@@ -37,8 +37,12 @@
 // requests hold and need for their next step plus the next-step need of the waiting requests
 // that fit its batch), in pages of the fewest blocks a page holds, at most its own limit. A
 // report lapses after kDemandTtl without a new one (an engine stuck or gone stops claiming).
-// The pool publishes it at each watcher tick, when a waiter arrives and on each report; a
-// report that changes it wakes every watcher (the ledger's futex).
+// What a report claims beyond (a) is believed only while requests follow it (Note [Demand
+// claims] in limit_policy.h): for kClaimHold (1 s) after the claim, or after the pool's last
+// request that needed pages (one still waiting renews it); a report renews nothing. So a member
+// that only claims stops counting within kClaimHold + kTick, however often it reports.
+// The pool publishes it at each watcher tick, when a waiter arrives, when an alloc_nowait misses
+// and on each report; a report that changes it wakes every watcher (the ledger's futex).
 //
 // Fair share (water-filling, max-min fair over demands), over the live members with budget B
 // and demands d_i (bytes): when sum d <= B, f_i = d_i + (B - sum d) / n (the slack is split
@@ -57,6 +61,13 @@
 // Grants (ShareMember::grant, under the lock): a map of member i is granted at most
 // B - sum committed - sum_{j != i} u_j: never the budget another member is entitled to and
 // wants, so that memory given back under pressure is not taken again by the one that gave it.
+// Except below the minimum: a map for a request of member i (not a refill) is granted at least
+// min(B - sum committed, floor(B / n) - committed_i), whatever the others claim. Their u_j rest
+// on demand they report, which nothing checks: kept for a claim while a member that holds more
+// than its share does not vacate, the free budget waited unused beside a member held below its
+// minimum (issue 27: 5 of 16 pages free, a request for budget / members timed out after 3 s).
+// The request is i's demand (published before the grant), so i takes no more than its own
+// guaranteed minimum, and the minima of all members fit the budget together.
 // A refill gets nothing while another member is blocked. available_blocks() counts, of the
 // share, what i can count on (room_pages): the larger of that headroom and of
 // max(f_i, floor(B / n)) - committed_i (by wanting more, any member gets at least B / n).
@@ -67,7 +78,11 @@
 //   - Minimum: under pressure, a member's limit is at least min(own limit, g_i) pages, with the
 //     guaranteed minimum g_i = min(d_i, floor(B / n)) (water-filling gives f_i >= g_i: a level
 //     below B / n would leave budget over). So a cold model's first request gets its pages as
-//     soon as the others' excess is unmapped or vacated, however hot they are.
+//     soon as the others' excess is unmapped or vacated, however hot they are. And no request
+//     waits below it while budget is free: the free budget goes to it at its grant, whatever
+//     the others claim (the grants' rule above); a member blocked below it with budget free is
+//     granted at the next release in the share (a wake-up) or tick (tests/test_share_policy.py;
+//     `make soak`'s fair-share part, tests/soak_fair_share.py, checks it under churn).
 //   - Fast reclaim: when a member blocks or its demand rises, every watcher is woken at once
 //     (FUTEX_WAKE), and within that tick an idle member (no block in use) queues the unmap of
 //     every page it holds beyond max(1, f_i) and of its whole reserve, and gives back the

@@ -71,6 +71,7 @@
 //   - The reserve kept is never a dependency: no waiter counts on a refill or on a hold.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -151,6 +152,49 @@ class LimitPolicy {
   Clock::time_point hold_until_{};
   bool refill_paused_ = false;
   int64_t drain_from_ = kNoDrain;
+};
+
+// Note [Demand claims]
+// ~~~~~~~~~~~~~~~~~~~~
+// A share divides its budget by demand (Note [Fair share under pressure] in ledger.h), and part
+// of a pool's demand is self-reported: Allocator.set_demand, an engine's count of what its
+// requests are about to ask for. A report above what the pool holds and waits for is a *claim*:
+// budget kept for this member before it asks. Nothing checks it, and a report can be renewed at
+// will, so a member that only claims (a stuck scheduler, a misbehaving client) would keep the
+// budget from the others for ever. So a claim is believed only while requests follow it:
+//   - the first claim, and the first claim after a request, counts for kClaimHold;
+//   - a request that needs pages (an alloc that waits, an alloc_nowait that misses and maps)
+//     makes the claim count for kClaimHold after it, and a request still waiting keeps it
+//     counting (the pool renews it as it publishes its demand, at least every watcher tick);
+//   - a report renews nothing: reporting the claim again, or reporting what the pool holds and
+//     reporting the claim anew, does not make it count again. Only a request does.
+// What the pool holds and waits for is demand that needs no belief: it always counts.
+// The bound: a claim not followed by a request stops counting kClaimHold after it was made, and
+// the others see it gone at the claimer's next watcher tick (kTick, 100 ms) or sooner: within
+// kClaimHold + kTick (tests/test_share_policy.py). A claim never keeps free budget from a member
+// below its guaranteed minimum in the first place (ShareMember::grant); the hold only bounds how
+// long a member above it waits on a claim nobody acts on.
+class DemandClaim {
+ public:
+  using Clock = std::chrono::steady_clock;
+  static constexpr auto kClaimHold = std::chrono::seconds(1);
+
+  // A report; `claim`: it is above what the pool holds and waits for.
+  void reported(bool claim, Clock::time_point now) {
+    if (!claim || !renewable_) return;
+    until_ = std::max(until_, now + kClaimHold);
+    renewable_ = false;
+  }
+  // A request that needs pages mapped, or one still waiting.
+  void requested(Clock::time_point now) {
+    until_ = std::max(until_, now + kClaimHold);
+    renewable_ = true;
+  }
+  bool counts(Clock::time_point now) const { return now < until_; }
+
+ private:
+  Clock::time_point until_{};
+  bool renewable_ = true;  // no claim was believed since the last request (or ever)
 };
 
 }  // namespace kvasync

@@ -533,6 +533,7 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
       deadline_s < 0 ? deadline_after(config_.default_timeout_s) : to_time_point(deadline_s);
   waiters_.push_back({id, n, deadline});
   waiting_blocks_ += n;
+  // A request that needs pages: what the pool claimed counts on (Note [Demand claims]).
   if (share_) publish_demand(Clock::now());  // before the grant: the others see it first
   plan_maps();
   plan_refill();
@@ -554,6 +555,8 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
     const bool can_fit = n <= std::min(limit_blocks(policy_.limit()), usable_blocks_);
     if (can_fit) {  // a request that can never fit (OutOfBlocks) keeps nothing
       policy_.nowait_missed(n, Clock::now());
+      claim_.requested(Clock::now());  // Note [Demand claims]: a request that needs pages
+      if (share_) publish_demand(Clock::now());
     }
     if (lacking > 0 && can_fit) {
       std::vector<int64_t> pages = claim_unmapped(lacking, headroom_pages());
@@ -698,11 +701,21 @@ std::string PagePool::describe_wait(const Waiter& waiter) const {
         << current_job_->pages.size() << " page(s) for " << seconds_since(current_job_start_)
         << " s)";
   }
+  // Note [Limit policy]: under the share's pressure the limit in force is the fair share.
+  const bool held_to_fair_share = share_ && policy_.limit() < policy_.own_limit();
   if (headroom_pages() <= 0 && mapping == 0) {
-    out << ", at the memory limit of " << policy_.limit() << " page(s) with " << free_blocks_
-        << " free block(s): waiting for blocks to be freed";
+    if (held_to_fair_share) {
+      out << ", held to its fair share of the share's budget, " << policy_.limit()
+          << " page(s) of its own limit of " << policy_.own_limit() << ", with " << free_blocks_
+          << " free block(s): waiting for blocks to be freed, or for the share's pressure to ease";
+    } else {
+      out << ", at the memory limit of " << policy_.limit() << " page(s) with " << free_blocks_
+          << " free block(s): waiting for blocks to be freed";
+    }
   }
-  if (share_ && share_->blocked()) out << ", " << share_->describe_budget();
+  if (share_ && (share_->blocked() || held_to_fair_share)) {
+    out << ", " << share_->describe_budget();
+  }
   if (share_ && ledger_busy_pid_ != 0) {
     out << ", the share's ledger lock (" << share_->ledger().path() << ") is held by "
         << (ledger_busy_pid_ > 0 ? "pid " + std::to_string(ledger_busy_pid_)

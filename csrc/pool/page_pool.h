@@ -172,7 +172,9 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t available_blocks() const;
   // The blocks the caller (an engine's scheduler) wants now: held plus about to be asked for. In
   // a share it sets this pool's demand for kDemandTtl (Note [Fair share under pressure] in
-  // ledger.h); without a share it is only recorded. Negative: std::invalid_argument.
+  // ledger.h); what it claims beyond what the pool holds and waits for counts only while
+  // requests follow it (Note [Demand claims] in limit_policy.h). Without a share it is only
+  // recorded. Negative: std::invalid_argument.
   static constexpr auto kDemandTtl = std::chrono::seconds(5);
   void set_demand(int64_t blocks);
   // The free blocks an allocation would hand out, in the order take_blocks hands them out (lowest
@@ -341,6 +343,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int32_t ledger_busy_pid_ = 0;
   int64_t reported_demand_ = 0;  // set_demand's blocks, in force until reported_until_
   Clock::time_point reported_until_{};
+  DemandClaim claim_;  // Note [Demand claims]: whether the report's excess counts
   std::optional<Job> current_job_;
   std::vector<double> map_seconds_;  // take_map_seconds()
   Clock::time_point current_job_start_;

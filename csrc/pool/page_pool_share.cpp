@@ -81,15 +81,18 @@ void PagePool::charge_pending(std::vector<Job>& batch) {
 
 int64_t PagePool::demand_pages(Clock::time_point now) const {
   // Note [Fair share under pressure]: what this pool holds and its waiters ask for, or what its
-  // engine reported (until the report lapses), in pages of the fewest blocks a page holds.
+  // engine reported (until the report lapses, and its claim beyond the former only while
+  // requests follow it: Note [Demand claims]), in pages of the fewest blocks a page holds.
   const int64_t bpp = std::max<int64_t>(min_page_blocks_, 1);
   int64_t blocks = used_blocks_ + waiting_blocks_;
-  if (now < reported_until_) blocks = std::max(blocks, reported_demand_);
+  if (now < reported_until_ && claim_.counts(now)) blocks = std::max(blocks, reported_demand_);
   const int64_t pages = (blocks + bpp - 1) / bpp;
   return std::min({pages, policy_.own_limit(), static_cast<int64_t>(pages_.size())});
 }
 
 void PagePool::publish_demand(Clock::time_point now) {
+  // Note [Demand claims]: a request still waiting keeps the claim counting.
+  if (!waiters_.empty()) claim_.requested(now);
   // A new figure wakes every watcher: the others step down (or stop stepping down) now.
   if (share_ && share_->set_demand(demand_pages(now))) share_->notify();
 }
@@ -104,6 +107,7 @@ void PagePool::set_demand(int64_t blocks) {
   const Clock::time_point now = Clock::now();
   reported_demand_ = blocks;
   reported_until_ = now + kDemandTtl;
+  claim_.reported(blocks > used_blocks_ + waiting_blocks_, now);  // Note [Demand claims]
   publish_demand(now);
 }
 

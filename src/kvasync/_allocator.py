@@ -343,7 +343,9 @@ class Allocator:
 
         In a share, the budget is divided by demand (Note [Fair share under pressure] in
         csrc/ledger/ledger.h): the report counts for 5 s, or until the next one, beside what the
-        pool sees itself (blocks held and waited for). Without a share it changes nothing.
+        pool sees itself (blocks held and waited for); what it claims beyond those counts only
+        while requests follow it (1 s after the claim or the last request that needed pages:
+        Note [Demand claims] in csrc/pool/limit_policy.h). Without a share it changes nothing.
         """
         self._check_process()
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:

@@ -134,6 +134,10 @@ def limit_policy_trace(
     limit_pages: int, ticks: list[tuple[float, bool, int, int, int]]
 ) -> list[int]: ...
 
+CLAIM_HOLD_S: float
+
+def demand_claim_trace(events: list[tuple[float, str]]) -> list[bool]: ...
+
 # -- tensor-parallel groups (csrc/bindings/bind_group.cpp) -----------------------------------------
 
 class SchedulerGroup:
