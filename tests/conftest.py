@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 # -- allocator fixtures -----------------------------------------------------------------------
 import asyncio
 import contextlib
+import resource
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,6 +147,52 @@ def serving(config: Any, **options: Any) -> Iterator[str]:
         thread.join(timeout=15)
         sock.close()
     assert not thread.is_alive(), "the server did not stop within 15 s"
+
+
+def _free_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # NOTE: a small race with other processes for the port; the test then fails
+    return int(port)
+
+
+@contextlib.contextmanager
+def kvasync_serve(
+    *options: str, output: Path | None = None, open_files: int | None = None
+) -> Iterator[str]:
+    """``python -m kvasync serve`` as a process, on a free port, until it answers /health; its
+    output goes to ``output`` (a file) when given; ``open_files`` sets its RLIMIT_NOFILE."""
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "kvasync", "serve", "--preset", "tiny", "--port", str(port)]
+
+    def limit_files() -> None:  # in the child, before exec
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    with contextlib.ExitStack() as files:
+        sink = files.enter_context(open(output, "wb")) if output else subprocess.PIPE
+        server = subprocess.Popen(
+            [*command, *options], stdout=sink, stderr=subprocess.STDOUT, preexec_fn=limit_files
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
+                assert time.monotonic() < deadline, "kvasync serve did not answer within 60 s"
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.05)  # not listening yet: poll again (bounded by the deadline)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+            server.wait(timeout=15)
+            if server.stdout is not None:
+                server.stdout.close()
 
 
 # -- a device share of one test: its name, and a process holding its ledger's lock -------------

@@ -3,10 +3,8 @@
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import serving
+from conftest import kvasync_serve, serving
 
 from kvasync import ledger
 from kvasync.serve import EngineConfig
@@ -73,50 +71,15 @@ def test_health_and_metrics(base_url: str) -> None:
     assert "kvasync_mapped_bytes" in metrics  # the allocator's collector (kvasync.metrics)
 
 
-def _free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()  # NOTE: a small race with other processes for the port; the test then fails
-    return int(port)
-
-
-@contextlib.contextmanager
-def _kvasync_serve(*options: str, output: Path | None = None) -> Iterator[str]:
-    """``python -m kvasync serve`` as a process, on a free port, until it answers /health; its
-    output goes to ``output`` (a file) when given."""
-    port = _free_port()
-    command = [sys.executable, "-m", "kvasync", "serve", "--preset", "tiny", "--port", str(port)]
-    with contextlib.ExitStack() as files:
-        sink = files.enter_context(open(output, "wb")) if output else subprocess.PIPE
-        server = subprocess.Popen([*command, *options], stdout=sink, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
-                assert time.monotonic() < deadline, "kvasync serve did not answer within 60 s"
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.05)  # not listening yet: poll again (bounded by the deadline)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.terminate()
-            server.wait(timeout=15)
-            if server.stdout is not None:
-                server.stdout.close()
-
-
 def test_python_m_kvasync_serve_starts_and_answers() -> None:
-    with _kvasync_serve() as url:
+    with kvasync_serve() as url:
         result = _client(url).completions.create(model=MODEL, prompt="cli", max_tokens=3)
         assert len(result.choices[0].text) == 3
 
 
 def test_serve_logs_its_model_device_and_kv_settings_at_start(tmp_path: Path) -> None:
     output = tmp_path / "serve.log"
-    with _kvasync_serve("--max-blocks", "64", "--max-waiting", "3", output=output):
+    with kvasync_serve("--max-blocks", "64", "--max-waiting", "3", output=output):
         pass
     [line] = [line for line in output.read_text().splitlines() if "kvasync serve: model" in line]
     assert re.search(r"model kvasync-tiny .* device (cpu|cuda)", line), line
@@ -130,8 +93,8 @@ def test_two_servers_share_one_device_budget() -> None:
     options = ("--share", share, "--device-budget", "4MiB")
     try:
         with (
-            _kvasync_serve(*options, "--name", "engine-a") as a,
-            _kvasync_serve(*options, "--name", "engine-b") as b,
+            kvasync_serve(*options, "--name", "engine-a") as a,
+            kvasync_serve(*options, "--name", "engine-b") as b,
         ):
             for url in (a, b):
                 result = _client(url).completions.create(model=MODEL, prompt="co", max_tokens=3)

@@ -6,6 +6,7 @@ and the other commands start without them.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import click
@@ -17,6 +18,7 @@ from ._engine import EngineConfig
 
 __all__ = ["demo_command", "serve_command"]
 
+_STARTUP_FAILURE = 3  # uvicorn.run's exit status when the server did not start
 _DEMO_LIMIT = 2 << 20  # below the demo burst's peak demand, so the engine preempts
 
 
@@ -58,6 +60,28 @@ _DEMO_LIMIT = 2 << 20  # below the demo burst's peak demand, so the engine preem
     help="requests that may wait for admission; one more is answered 429 with Retry-After "
     "(default: unbounded).",
 )
+@click.option(
+    "--timeout-header",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0.001),
+    help="seconds a connection may take to send a complete request head; then it is closed "
+    "(slow or stalled clients).",
+)
+@click.option(
+    "--timeout-keep-alive",
+    default=5,
+    show_default=True,
+    type=click.IntRange(1),
+    help="seconds an idle connection is kept open between two requests (uvicorn's).",
+)
+@click.option(
+    "--limit-connections",
+    default=None,
+    type=click.IntRange(1),
+    help="connections open at once; one more is closed at once (default: 1000, or fewer to "
+    "leave 128 of the open-file limit, ulimit -n, to the server).",
+)
 def serve_command(
     preset: str,
     host: str,
@@ -72,15 +96,29 @@ def serve_command(
     device_budget: int | None,
     name: str,
     max_waiting: int | None,
+    timeout_header: float,
+    timeout_keep_alive: int,
+    limit_connections: int | None,
 ) -> None:
     """Serve the reference engine over HTTP (OpenAI-compatible /v1/completions and
     /v1/chat/completions)."""
+    import resource
+
     import uvicorn
 
+    from ._connections import ConnectionLimits, ServeConfig, connection_cap, log_limits
     from ._http import create_app, uvicorn_log_config
 
     if device_budget is not None and share is None:
         raise click.BadParameter("--device-budget needs --share", param_hint="--device-budget")
+    open_files, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if open_files == resource.RLIM_INFINITY:
+        open_files = 1 << 20  # Linux's own ceiling (nr_open) by default
+    try:
+        cap = connection_cap(limit_connections, open_files)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--limit-connections") from None
+    limits = ConnectionLimits(timeout_header, timeout_keep_alive, cap)
     try:
         config = EngineConfig(
             preset=preset,
@@ -97,8 +135,22 @@ def serve_command(
         raise click.BadParameter(str(error)) from None
     app = create_app(config, max_waiting=max_waiting)
     # uvicorn's log configuration with kvasync's loggers: the start-up line names the model,
-    # device and KV settings.
-    uvicorn.run(app, host=host, port=port, log_level="info", log_config=uvicorn_log_config())
+    # device and KV settings. Connections are guarded: Note [Connection limits].
+    server = uvicorn.Server(
+        ServeConfig(
+            app,
+            limits=limits,
+            host=host,
+            port=port,
+            log_level="info",
+            log_config=uvicorn_log_config(),
+        )
+    )
+    log_limits(limits, open_files)
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: ^C is a clean stop
+        server.run()
+    if not server.started:  # the engine did not open, the port is taken, ...
+        raise SystemExit(_STARTUP_FAILURE)
 
 
 @click.command("demo")

@@ -11,9 +11,9 @@ The loop and its policy are Note [Engine scheduling], in _scheduler.py.
 Note [Blocks under a running step]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A request can end while a step that writes into its blocks runs in the worker thread (its caller
-went away, or the engine closes). Its blocks are then freed only when the step is done, and close
-waits for the step before it closes the allocator: freed pages may be unmapped at once, and a
-write into an unmapped page faults.
+went away, its deadline passed, or the engine closes). Its blocks are then freed only when the
+step is done, and close waits for the step before it closes the allocator: freed pages may be
+unmapped at once, and a write into an unmapped page faults.
 
 Aborting: a request ends when its caller stops waiting for it. Closing ``generate``'s iterator,
 or cancelling the task that awaits ``generate`` or ``complete``, fails the request with
@@ -524,7 +524,7 @@ class Engine:
         step = self._executor.submit(self.runner.execute, tokens, starts, tables, sampling)
         self._step_future = step
         try:
-            sampled = await asyncio.wrap_future(step)
+            sampled = await self._step_result(step)
         finally:
             if step.done():
                 self._step_future = None
@@ -555,6 +555,26 @@ class Engine:
             request.events.put_nowait(token)
             if len(request.output) >= request.max_tokens:
                 self._finish(request, None)
+
+    async def _step_result(
+        self, step: concurrent.futures.Future[list[int | Exception]]
+    ) -> list[int | Exception]:
+        """Waits for ``step`` and fails each request whose deadline passes meanwhile, at its
+        deadline (Note [Engine scheduling], 1): a step can take far longer than usual (loaded
+        cores, a slow device), and a request ends by its deadline all the same. Its blocks are
+        freed when the step is done (Note [Blocks under a running step])."""
+        result = asyncio.wrap_future(step)
+        try:
+            while not result.done():
+                waiting = (*self.scheduler.running, *self.scheduler.waiting)
+                due = min((r.deadline for r in waiting), default=None)
+                wait = None if due is None else max(0.0, due - self._loop.time())
+                # NOTE: asyncio.wait, not wait_for: a timeout leaves the step's future alone.
+                if not (await asyncio.wait([result], timeout=wait))[0]:
+                    self._expire()
+        finally:
+            result.cancel()  # only when cancelled itself (close): as awaiting it would
+        return result.result()
 
     def _finish(self, request: _Request, error: BaseException | None) -> None:
         if request.done:

@@ -5,7 +5,9 @@ Note [Engine scheduling]
 One asyncio task runs the engine, step after step:
 
 1. Expire: a request whose deadline passed (waiting or running) fails with DeadlineExceeded and
-   its blocks are freed. No request waits past its deadline.
+   its blocks are freed. No request waits past its deadline: while a step runs, the loop waits
+   for it no longer than the earliest deadline and expires then (a step can take far longer
+   than usual: loaded cores, a slow device), freeing the blocks once the step is done.
 2. Admit waiting requests, oldest first, while the batch has room (``max_batch`` requests,
    ``max_batch_tokens`` new tokens): each gets the blocks for its tokens with ``await kv.alloc``.
    First the scheduler reports its demand (``kv.set_demand``: the blocks its running requests
