@@ -662,6 +662,101 @@ def test_touching_an_unmapped_block_faults_like_a_gpu():
     assert result.returncode == -11, result.stderr  # SIGSEGV
 
 
+# Note [Views outlive close]: a view taken before close, used after it. Run in a child process:
+# before the fix the read killed it with SIGSEGV (and would have killed the test run).
+_VIEW_AFTER_CLOSE = textwrap.dedent(
+    """
+    import asyncio, sys, torch, kvasync
+
+    def shmem_kib():
+        with open("/proc/self/status") as status:
+            return next(int(l.split()[1]) for l in status if l.startswith("RssShmem:"))
+
+    async def main(backend):
+        layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+        cfg = kvasync.Config(backend=backend, max_blocks=4096, reserve_pages=(0, 0))
+        kv = await kvasync.Allocator.open(layout, cfg)
+        before = shmem_kib()
+        ids = await kv.alloc(2048)  # 4 pages of 512 blocks in each of 4 ranges: 32 MiB
+        k, v = kv.layer(1)
+        k[ids] = 1.0
+        print("mapped", kv.stats().mapped_pages, "grew_kib", shmem_kib() - before, flush=True)
+        await kv.close()
+        print("closed", kv.stats().mapped_pages, "kept_kib", shmem_kib() - before, flush=True)
+        for call in (lambda: kv.layer(0), lambda: kv.gather(ids[:1]), lambda: kv.zero(ids[:1])):
+            try:
+                call()
+                print("served after close", flush=True)
+            except kvasync.AllocatorClosed:
+                print("refused: AllocatorClosed", flush=True)
+        total = float(k[ids].float().sum()) + float(v[ids].float().sum())  # reads every block
+        k[ids] = 2.0  # and writes them: a step still running when the engine closed its cache
+        v[ids[-1]] = 3.0
+        print("used the views after close:", total == total, flush=True)
+        if backend == "cuda":
+            torch.cuda.synchronize()  # an illegal address would surface here
+        del k, v
+        print("dropped", flush=True)
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def test_a_view_taken_before_close_stays_valid_after_it(backend_name):
+    result = subprocess.run(
+        [sys.executable, "-c", _VIEW_AFTER_CLOSE, backend_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert lines[0].startswith("mapped 4 ")
+    assert lines[1].startswith("closed 0 ")  # the pages went back, the views still live
+    assert lines[2:5] == ["refused: AllocatorClosed"] * 3  # no new view, no kernel after close
+    assert lines[5:] == ["used the views after close: True", "dropped"]
+    if backend_name == "host":
+        grew = int(lines[0].split()[-1])
+        kept = int(lines[1].split()[-1])
+        assert grew >= 30 * 1024  # the 32 MiB were mapped (RssShmem counts the memfd pages)...
+        assert kept < 2 * 1024  # ...and given back at close although the views were alive
+
+
+def test_a_block_never_mapped_still_faults_after_close():
+    # The scratch memory goes only where pages were mapped at close: the rest of the range stays
+    # a reservation that faults, as it did before the close (Note [Views outlive close]).
+    script = textwrap.dedent(
+        """
+        import asyncio, kvasync
+        async def main():
+            layout = kvasync.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)
+            cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+            kv = await kvasync.Allocator.open(layout, cfg)
+            ids = await kv.alloc(1)
+            k, v = kv.layer(0)
+            await kv.close()
+            k[ids].sum()
+            print("touching", flush=True)
+            k[2000].sum()  # page 1 (1024 blocks of 2 KiB a page): never mapped
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "touching" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == -11, result.stderr  # SIGSEGV
+
+
+async def test_layer_after_close_raises_allocator_closed(backend_name, small_layout):
+    kv = await kvasync.Allocator.open(small_layout, config(backend_name))
+    kv.free(await kv.alloc(1))
+    await kv.close()
+    with pytest.raises(kvasync.AllocatorClosed, match="closed"):
+        kv.layer(0)
+
+
 def _shmem_kib() -> int:
     with open("/proc/self/status") as status:
         for line in status:

@@ -35,6 +35,19 @@ removed reader would vanish from the parent's loop too) are all the parent's. Th
 never destroyed there either: the mapper thread's reference to it was copied with the memory, and
 no thread is left in the child to drop it. A child opens an allocator of its own, which joins a
 share anew under its own pid.
+
+Note [Views outlive close]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The torch views (``layer()``) are tensors over the reserved ranges; each holds the C++ backend, so
+the address space lives as long as any view does. ``close()`` gives the memory back (the pages, the
+share's budget) but does not leave a view pointing at unmapped memory: the pool's close *retires*
+the pages mapped at close, putting scratch memory under their addresses until the allocator and
+the last view are gone (the full rule, and what the scratch memory costs on each backend, in
+csrc/backends/backend.h). So a view taken before close stays valid until it is dropped: it reads
+garbage (zeros on host) and its writes are lost, but it never kills the process (SIGSEGV on host)
+or poisons the CUDA context (an illegal address). Once ``close()`` has begun, ``layer()`` and the
+block operations (``gather``, ``scatter``, ``zero``, ``copy``) raise ``AllocatorClosed``: no new
+view or kernel launch reaches the ranges through the allocator.
 """
 
 from __future__ import annotations
@@ -149,6 +162,9 @@ class Allocator:
         trio = loop is None and _loops.current_library() == "trio"
         _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=trio)
         self._opened_in = _Process.pid  # Note [Fork]
+        # The process where calls are served: the opener's until close() begins, then 0, so that
+        # one comparison checks both (Note [Fork], Note [Views outlive close]).
+        self._usable_in = self._opened_in
         self._layout = layout
         self._config = config
         self._loop = loop
@@ -488,8 +504,9 @@ class Allocator:
         Raises:
             ValueError: an id not allocated or out of range, or ``out`` of the wrong shape, dtype
                 or device. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun (Note [Views outlive close]).
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         return _block_ops.gather(
@@ -507,8 +524,9 @@ class Allocator:
         Raises:
             ValueError: an id not allocated, out of range or repeated, or ``src`` of the wrong
                 shape, dtype or device. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.scatter(
@@ -525,8 +543,9 @@ class Allocator:
 
         Raises:
             ValueError: an id not allocated or out of range. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.zero(
@@ -545,8 +564,9 @@ class Allocator:
         Raises:
             ValueError: ids not allocated, out of range, of different lengths, or a repeated
                 destination. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.copy(
@@ -568,11 +588,16 @@ class Allocator:
         touched: an unmapped block faults, as on a GPU (and an id across a page boundary is never
         allocated: Note [Blocks across page boundaries]).
 
+        A view stays valid after ``close()`` until it is dropped (Note [Views outlive close]):
+        the blocks that were mapped at close read garbage and take writes that are lost, and
+        nothing faults that did not fault before; the memory itself went back at close.
+
         Raises:
             TypeError: ``index`` is not an int (or is a bool).
             IndexError: no such layer.
+            AllocatorClosed: ``close()`` has begun: no new view of a closed allocator.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         index = _validate.index(index, "layer index", self._layout.num_layers)
         per = self._layout.kv_buffers
         return tuple(self._buffers[index * per : (index + 1) * per])
@@ -671,6 +696,9 @@ class Allocator:
 
         Finishes within ``timeout`` even with the mapper stuck in a driver call: the thread is
         then abandoned (it ends by itself when the call returns) and its mappings are left to it.
+        The memory goes back, but views taken before (``layer()``) stay valid until dropped:
+        their addresses are left on scratch memory, never unmapped under them (Note [Views
+        outlive close]).
         The wait runs on a thread of its own, so a default executor the application keeps busy
         does not delay it. Idempotent. In a forked child it returns at once and touches nothing:
         the pages and the share's ledger entry are the parent's (Note [Fork]).
@@ -685,6 +713,7 @@ class Allocator:
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         if self._opened_in != _Process.pid:
             return  # Note [Fork]: nothing here is this process's to close
+        self._usable_in = 0  # from now on the other calls raise AllocatorClosed
         if self._trio is not None:
             await self._trio.close(wait)
             return
@@ -790,6 +819,16 @@ class Allocator:
     def _check_process(self) -> None:
         if self._opened_in != _Process.pid:
             raise _forked_error(self._opened_in)
+
+    def _check_open(self) -> None:
+        # Note [Fork] and Note [Views outlive close]: one comparison for both.
+        if self._usable_in != _Process.pid:
+            raise self._unusable_error()
+
+    def _unusable_error(self) -> AllocatorClosed:
+        if self._opened_in != _Process.pid:
+            return _forked_error(self._opened_in)
+        return AllocatorClosed("the allocator is closed (close() was called); open another one")
 
     def _notify_observers(self, waited: bool, seconds: float) -> None:
         for entry in self._observers:
