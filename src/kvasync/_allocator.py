@@ -142,6 +142,12 @@ class Allocator:
 
     It belongs to the process that opened it: in a forked child every method raises
     ``AllocatorClosed`` and ``close()`` touches nothing (Note [Fork]); open another there.
+
+    Once ``close()`` has begun, every method raises ``AllocatorClosed`` but three: ``close()``
+    itself (idempotent), and the read-only ``stats()`` (the final counters: what close gave back)
+    and ``take_map_seconds()`` (the last maps' durations, for a final metrics scrape). The
+    properties (``num_blocks``, ``page_size``, ``layout``, ``config``, ``backend``) still
+    describe it. Views taken before the close stay valid (Note [Views outlive close]).
     """
 
     def __init__(
@@ -275,8 +281,8 @@ class Allocator:
             AllocatorClosed: the allocator is (or was, while waiting) closed, or this is a forked
                 child of the process that opened it (Note [Fork]).
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         observe = self._observe
@@ -320,8 +326,8 @@ class Allocator:
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         result = self._pool.alloc_nowait(n)
@@ -346,10 +352,13 @@ class Allocator:
         a request. In a share (``Config.share``), mapping counts only on the budget the share
         leaves this allocator, or on what is left of its fair share when that is more (the
         others are held to theirs while it waits). Free blocks of draining pages do not count
-        (see ``drain_from``). 0 once closed.
+        (see ``drain_from``).
+
+        Raises:
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: read every scheduler step
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: every scheduler step
+            raise self._unusable_error()
         available: int = self._pool.available_blocks()
         return available
 
@@ -360,8 +369,12 @@ class Allocator:
         In a share, the budget is divided by demand (Note [Fair share under pressure] in
         csrc/ledger/ledger.h): the report counts for 5 s, or until the next one, beside what the
         pool sees itself (blocks held and waited for). Without a share it changes nothing.
+
+        Raises:
+            ValueError: ``blocks`` is not a number of blocks >= 0.
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
             raise ValueError(f"demand must be a number of blocks >= 0, got {blocks!r}")
         self._pool.set_demand(min(blocks, self.num_blocks))
@@ -374,9 +387,12 @@ class Allocator:
         budget), the highest pages over it drain: no block is handed out from them any more,
         and each is unmapped as soon as its last block is freed. A scheduler that frees the
         blocks ``>= drain_from()`` (preempting the requests holding them) gives the memory back
-        at once rather than when those requests end. None when nothing drains, or once closed.
+        at once rather than when those requests end. None when nothing drains.
+
+        Raises:
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         block = int(self._pool.drain_from_block())
         return None if block < 0 else block
 
@@ -387,7 +403,7 @@ class Allocator:
         would return, when nothing else changes the pool in between and no waiter holds the
         blocks back. Blocks of draining pages (``drain_from``) are not listed: no allocation
         takes them. Nothing is taken or reserved; the listing is stale as soon as another call
-        allocates, frees, maps or unmaps. [] once closed.
+        allocates, frees, maps or unmaps.
 
         Args:
             limit: list at most this many (``None``: all of them). A scheduler that only needs
@@ -395,8 +411,9 @@ class Allocator:
 
         Raises:
             ValueError: ``limit`` is not an int >= 0 (or None).
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         if limit is None:
             limit = self.num_blocks
         elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -416,9 +433,11 @@ class Allocator:
             TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int.
             ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
                 usable here; nothing is freed then.
+            AllocatorClosed: the allocator is closed (its pages went with it: there is nothing
+                to give back), or this is a forked child (Note [Fork]).
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(ids) is not list:  # a list goes straight to the pool, which checks its items
             ids = _validate.block_ids(ids, "ids")
         if after is None:
@@ -450,7 +469,7 @@ class Allocator:
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
         """
-        self._check_process()
+        self._check_open()
         _validate.flag(release_handles, "release_handles")
         due = self._deadline(timeout, None)
         request = self._pool.trim(self._pool_deadline(due), release_handles)
@@ -476,7 +495,7 @@ class Allocator:
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
         """
-        self._check_process()
+        self._check_open()
         if memory_limit is not None:
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
@@ -628,7 +647,14 @@ class Allocator:
         return str(self._backend.name)
 
     def stats(self) -> AllocatorStats:
-        """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
+        """A consistent snapshot of pages, blocks, waiters and the mapper's current op.
+
+        Also after ``close()``: the final counters (no page is mapped then, unless a mapper stuck
+        in the driver was abandoned).
+
+        Raises:
+            AllocatorClosed: called in a forked child (Note [Fork]).
+        """
         self._check_process()
         return AllocatorStats.from_core(
             self._pool.stats(),
@@ -657,9 +683,9 @@ class Allocator:
 
         Raises:
             TypeError: ``observer`` is not callable.
-            AllocatorClosed: called in a forked child (Note [Fork]).
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {observer!r}")
         entry = _AllocObserver(observer)
@@ -678,7 +704,8 @@ class Allocator:
 
         Each duration is returned once (a batch's jobs share theirs), so one consumer should read
         them: ``kvasync.integrations.metrics`` does at each scrape. At most 4096 are kept between
-        two calls; later ones are dropped until the next call.
+        two calls; later ones are dropped until the next call. Also after ``close()``: the
+        durations recorded before it are still taken once.
 
         Returns:
             The durations, oldest first; ``[]`` when no map finished since the last call.
@@ -770,6 +797,7 @@ class Allocator:
             await asyncio.wait_for(asyncio.shield(done), max(wait, 1.0) + _CLOSE_GRACE_S)
 
     async def __aenter__(self) -> Allocator:
+        self._check_open()  # entering a closed allocator is a mistake too
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -1016,8 +1044,8 @@ class _DriverPort:
         # The pool's bound method: a worker thread running it holds the pool, never the allocator.
         self.close_pool: Callable[[float], object] = allocator._pool.close
 
-    def check_process(self) -> None:
-        self._kv._check_process()
+    def check_open(self) -> None:
+        self._kv._check_open()
 
     @property
     def forked(self) -> bool:

@@ -47,8 +47,9 @@ class RequestSource(Protocol):
         """Whether this is a forked child of the process that opened the allocator, where its
         threads do not exist (Note [Fork] in _allocator)."""
 
-    def check_process(self) -> None:
-        """Raises ``AllocatorClosed`` in such a forked child."""
+    def check_open(self) -> None:
+        """Raises ``AllocatorClosed`` in such a forked child, or once the allocator's close
+        has begun."""
 
     def check_count(self, n: object) -> int:
         """``n`` as a number of blocks, checked as ``Allocator.alloc`` checks it."""
@@ -102,6 +103,10 @@ class SyncAllocator:
     already open on an asyncio or trio loop with ``SyncAllocator(kv)``, so that threads share it
     with that loop. Blocking calls must not run on the owning loop's own thread (they would wait
     for the loop they block): they raise ``RuntimeError`` there.
+
+    Once the allocator's close has begun (this facade's ``close()`` or the loop's), every method
+    raises ``AllocatorClosed`` but ``close()`` (idempotent), ``stats()`` and
+    ``take_map_seconds()``, as on ``Allocator``; the properties still describe it.
     """
 
     def __init__(self, allocator: Allocator, *, _owner: _LoopThread | None = None) -> None:
@@ -138,7 +143,7 @@ class SyncAllocator:
             RuntimeError: called on the thread of the loop that owns the allocator.
         """
         source = self._source
-        source.check_process()  # Note [Fork]: the loop thread that would answer is not here
+        source.check_open()  # closed, or Note [Fork]: the loop thread that would answer is gone
         n = source.check_count(n)
         due = self._due(timeout, deadline)
         self._check_thread()
@@ -182,7 +187,7 @@ class SyncAllocator:
         """
         _validate.flag(release_handles, "release_handles")  # as Allocator.trim checks it
         source = self._source
-        source.check_process()
+        source.check_open()
         due = self._due(timeout, None)
         self._check_thread()
         self._call(lambda: source.start_trim(due, release_handles), due, "trim")
@@ -190,7 +195,7 @@ class SyncAllocator:
     def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
         source = self._source
-        source.check_process()
+        source.check_open()
         if memory_limit is not None:  # the same errors as Allocator.resize
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         pages = source.limit_pages(memory_limit)
@@ -301,6 +306,7 @@ class SyncAllocator:
             self._owner.stop(1.0)
 
     def __enter__(self) -> SyncAllocator:
+        self._source.check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
