@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import functools
 import inspect
 import math
 import subprocess
@@ -11,6 +13,7 @@ import sys
 import textwrap
 import threading
 
+import anyio.from_thread
 import pytest
 import torch
 from conftest import blocks_per_page, wait_until, whole_blocks
@@ -667,6 +670,56 @@ async def test_every_public_method_raises_allocator_closed_after_close(backend_n
     assert len(durations) == 1 and durations[0] > 0
     assert kv.take_map_seconds() == []
     assert (kv.num_blocks, kv.layout, kv.backend) == (MAX_BLOCKS, small_layout, backend_name)
+
+
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_calls_from_another_event_loop_raise_and_change_nothing(library):
+    # Issue 27: resize from another loop raised RuntimeError after it had lowered the limit from
+    # 64 pages to 2; trim had started its unmaps, alloc had queued its map, and close had closed
+    # the pool and then failed for good. The allocator runs on a loop in a thread of its own.
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    page = 64 << 10  # 16 blocks of 4 KiB, in each of 4 ranges
+    cfg = kvasync.Config(
+        backend="host",
+        max_blocks=64 * 16,
+        page_size=page,
+        memory_limit=64 * page * 4,
+        reserve_pages=(0, 1),  # no refill; a freed page stays mapped
+    )
+    with anyio.from_thread.start_blocking_portal(library) as portal:
+        kv = portal.call(kvasync.Allocator.open, layout, cfg)
+        held = portal.call(kv.alloc, 20)  # pages 0 and 1
+        kv.free(held[16:])  # page 1 is mapped and free: what a trim would unmap
+        before = dataclasses.replace(kv.stats(), mapper_op_age=0.0)
+        assert (before.memory_limit_pages, before.mapped_pages, before.used_blocks) == (64, 2, 16)
+
+        async def from_another_loop() -> list[str]:
+            calls = {
+                "resize": lambda: kv.resize(memory_limit=2 * page * 4, timeout=1.0),
+                "trim": lambda: kv.trim(timeout=1.0),
+                "alloc": lambda: kv.alloc(200, timeout=1.0),  # needs maps
+                "close": lambda: kv.close(timeout=1.0),
+            }
+            wrong = []
+            for name, call in calls.items():
+                try:
+                    await call()
+                    wrong.append(f"{name}: served")
+                except RuntimeError as error:
+                    if "event loop that opened it" not in str(error):
+                        wrong.append(f"{name}: {error}")
+                after = dataclasses.replace(kv.stats(), mapper_op_age=0.0)
+                if after != before:
+                    wrong.append(f"{name} changed {before} into {after}")
+                    break
+            return wrong
+
+        assert asyncio.run(from_another_loop()) == []
+        kv.free(held[:16])  # the allocator is still whole: its own loop uses and closes it
+        portal.call(functools.partial(kv.resize, memory_limit=2 * page * 4))
+        assert kv.stats().memory_limit_pages == 2
+        portal.call(kv.close)
+        assert kv.stats().mapped_pages == 0
 
 
 def test_layout_and_config_reject_bad_values():

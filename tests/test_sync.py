@@ -389,3 +389,24 @@ def test_every_public_method_raises_allocator_closed_after_close():
     assert len(durations) == 1 and durations[0] > 0
     assert kv.take_map_seconds() == []
     assert (kv.num_blocks, kv.layout, kv.backend) == (4 * PER_PAGE, LAYOUT, "host")
+
+
+def test_close_on_the_facades_own_loop_thread_raises_and_closes_nothing():
+    # A failed call changes nothing (issue 27): close() there used to mark the facade closed,
+    # then wait for its own loop until the timeout and stop that loop, leaving the allocator open
+    # with nothing to drain its completions.
+    cfg = kvasync.Config(backend="host", max_blocks=4 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        loop = kv.allocator._loop
+        assert loop is not None
+
+        async def close_there() -> None:
+            kv.close(timeout=0.2)
+
+        attempt = asyncio.run_coroutine_threadsafe(close_there(), loop)
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            attempt.result(10.0)
+        blocks = kv.alloc(PER_PAGE + 1, timeout=5.0)  # a map: the loop still drains
+        kv.free(blocks)
+    with pytest.raises(kvasync.AllocatorClosed):  # and the with block's close did close it
+        kv.alloc(1, timeout=1.0)

@@ -280,6 +280,8 @@ class Allocator:
             MapError: the backend failed to map the pages this request needed.
             AllocatorClosed: the allocator is (or was, while waiting) closed, or this is a forked
                 child of the process that opened it (Note [Fork]).
+            RuntimeError: the blocks are not there at once and this is not the event loop (or
+                trio thread) that opened the allocator; nothing was queued.
         """
         if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
             raise self._unusable_error()
@@ -296,6 +298,7 @@ class Allocator:
         if result is None:
             if due is None:
                 due = self._time() + self._default_timeout
+            self._check_loop()  # before the pool queues anything (issue 27)
             request = self._pool.alloc(n, self._pool_deadline(due))
             if isinstance(request, int):  # it became a waiter
                 waited = True
@@ -468,10 +471,12 @@ class Allocator:
             AllocTimeout: the unmaps did not finish in time.
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
+            RuntimeError: not called on the event loop that opened it; nothing was unmapped.
         """
         self._check_open()
         _validate.flag(release_handles, "release_handles")
         due = self._deadline(timeout, None)
+        self._check_loop()
         request = self._pool.trim(self._pool_deadline(due), release_handles)
         if request:
             await self._wait(request, due, "trim")
@@ -494,11 +499,13 @@ class Allocator:
             ValueError: the limit is below one page, or a bad timeout.
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
+            RuntimeError: not called on the event loop that opened it; the limit is unchanged.
         """
         self._check_open()
         if memory_limit is not None:
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
+        self._check_loop()  # a failed call changes nothing: the limit neither (issue 27)
         request = self._pool.set_limit_pages(
             self._limit_pages(memory_limit), self._pool_deadline(due)
         )
@@ -736,10 +743,13 @@ class Allocator:
         Raises:
             TypeError: ``timeout`` is not a number (or is a bool).
             ValueError: ``timeout`` is negative, NaN or infinite.
+            RuntimeError: not called on the event loop (or trio thread) that opened it; nothing
+                is closed then.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         if self._opened_in != _Process.pid:
             return  # Note [Fork]: nothing here is this process's to close
+        self._check_loop()  # before anything changes: a close half done on another loop hung
         self._usable_in = 0  # from now on the other calls raise AllocatorClosed
         if self._trio is not None:
             await self._trio.close(wait)
@@ -858,6 +868,27 @@ class Allocator:
             return _forked_error(self._opened_in)
         return AllocatorClosed("the allocator is closed (close() was called); open another one")
 
+    def _check_loop(self) -> None:
+        # Before any state changes (issue 27: resize from another loop had lowered the limit
+        # before it raised): the calls that wait run on the loop, or trio thread, that opened it.
+        if self._trio is not None:
+            if threading.get_ident() == self._trio.thread:
+                return
+        else:
+            try:
+                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:  # no asyncio loop here (trio, or none at all)
+                running = None
+            if running is self._loop:
+                return
+        raise RuntimeError(
+            f"this allocator belongs to the {self._library} event loop that opened it (on "
+            f"thread {self._loop_thread}; this is thread {threading.get_ident()}): alloc, "
+            "trim, resize and close are called there, and nothing was changed. Open one "
+            "allocator per loop (with pytest-asyncio, give the fixture and the tests the same "
+            "loop scope), or wrap it in kvasync.SyncAllocator for threads"
+        )
+
     def _notify_observers(self, waited: bool, seconds: float) -> None:
         for entry in self._observers:
             try:
@@ -880,7 +911,13 @@ class Allocator:
 
     def _time(self) -> float:
         # The clock of `deadline=`: loop.time() on asyncio, trio.current_time() on trio.
-        return self._loop.time() if self._loop is not None else _loops.TrioDriver.time()
+        if self._loop is not None:
+            return self._loop.time()
+        try:
+            return _loops.TrioDriver.time()
+        except RuntimeError:  # trio's "must be called from async context": say whose it is
+            self._check_loop()
+            raise
 
     def _pool_deadline(self, due: float) -> float:
         # Note [Clocks] in _loops: an enclosing cancel scope's deadline bounds the mapper too.
@@ -892,12 +929,6 @@ class Allocator:
             return await self._trio.wait(request, due, what)
         loop = self._loop
         assert loop is not None, "an asyncio allocator has a loop (a bug otherwise)"
-        if asyncio.get_running_loop() is not loop:
-            self._pool.cancel(request, False)
-            raise RuntimeError(
-                "this allocator belongs to the event loop that opened it; open one allocator per "
-                "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
-            )
         if self._spin_s > 0.0:  # see _SPIN_S
             spin = min(self._spin_s, due - loop.time())
             record = self._pool.take_completion(request, spin) if spin > 0 else None

@@ -283,7 +283,8 @@ class SyncAllocator:
         (Note [Fork] in _allocator).
 
         Raises:
-            RuntimeError: this facade wraps an allocator of another loop: close it there.
+            RuntimeError: this facade wraps an allocator of another loop: close it there; or it
+                is called on its own loop's thread. Nothing is closed then.
         """
         if self._owner is None:
             raise RuntimeError(
@@ -297,9 +298,11 @@ class SyncAllocator:
         )
         if self._closed:
             return
-        self._closed = True
         if self._source.forked:
+            self._closed = True
             return
+        self._check_thread()  # before anything changes: it would wait for its own thread
+        self._closed = True
         try:
             self._owner.run(self._kv.close(timeout=wait), wait + 1.0, "close")
         finally:
