@@ -551,13 +551,17 @@ async def test_free_block_ids_leave_out_unmapped_and_draining_pages(backend_name
         assert kv.free_block_ids() == []  # nothing mapped, nothing listed
 
 
-@pytest.mark.parametrize("limit", [-1, 1.5, True, "3"])
-async def test_free_block_ids_reject_a_bad_limit_and_change_nothing(backend_name, limit):
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [(-1, ValueError), (2**63, ValueError), (1.5, TypeError), (True, TypeError), ("3", TypeError)],
+)
+async def test_free_block_ids_reject_a_bad_limit_and_change_nothing(backend_name, limit, error):
+    # A wrong type is a TypeError (issue 27: it was a ValueError), a wrong value a ValueError.
     cfg = kvasync.Config(backend=backend_name, max_blocks=8192, reserve_pages=(0, 0))
     async with kvasync.open_allocator(UNIFORM, cfg) as kv:
         held = await kv.alloc(5)
         before = kv.stats()
-        with pytest.raises(ValueError, match="limit must be"):
+        with pytest.raises(error, match="limit must be"):
             kv.free_block_ids(limit)
         assert kv.stats() == before
         kv.free(held)

@@ -373,13 +373,17 @@ class Allocator:
         csrc/ledger/ledger.h): the report counts for 5 s, or until the next one, beside what the
         pool sees itself (blocks held and waited for). Without a share it changes nothing.
 
+        Args:
+            blocks: the number of blocks wanted now, >= 0 (more than ``num_blocks`` counts as
+                ``num_blocks``).
+
         Raises:
-            ValueError: ``blocks`` is not a number of blocks >= 0.
+            TypeError: ``blocks`` is not an int (a bool, a float or a str is not).
+            ValueError: ``blocks`` is negative or beyond int64.
             AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
         self._check_open()
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
-            raise ValueError(f"demand must be a number of blocks >= 0, got {blocks!r}")
+        blocks = _validate.integer(blocks, "blocks", minimum=0)
         self._pool.set_demand(min(blocks, self.num_blocks))
 
     def drain_from(self) -> int | None:
@@ -413,15 +417,13 @@ class Allocator:
                 the next few pays for those alone.
 
         Raises:
-            ValueError: ``limit`` is not an int >= 0 (or None).
+            TypeError: ``limit`` is not an int or None (a bool, a float or a str is not).
+            ValueError: ``limit`` is negative or beyond int64.
             AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
         self._check_open()
-        if limit is None:
-            limit = self.num_blocks
-        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a number of blocks >= 0 or None, got {limit!r}")
-        ids: list[int] = self._pool.free_blocks_in_order(min(limit, self.num_blocks))
+        wanted = self.num_blocks if limit is None else _validate.integer(limit, "limit", minimum=0)
+        ids: list[int] = self._pool.free_blocks_in_order(min(wanted, self.num_blocks))
         return ids
 
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
@@ -433,7 +435,8 @@ class Allocator:
                 reads or writes the blocks. Their pages are not unmapped before it completes.
 
         Raises:
-            TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int.
+            TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int;
+                or (cuda) ``after`` is neither a stream nor an event.
             ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
                 usable here; nothing is freed then.
             AllocatorClosed: the allocator is closed (its pages went with it: there is nothing
@@ -528,8 +531,10 @@ class Allocator:
             ``out`` or a new tensor of that shape.
 
         Raises:
-            ValueError: an id not allocated or out of range, or ``out`` of the wrong shape, dtype
-                or device. Nothing is launched then.
+            TypeError: ``ids`` are not ints or an integer tensor, or ``out`` is not a tensor of
+                the layout's dtype.
+            ValueError: an id not allocated or out of range, or ``out`` of the wrong shape or
+                device. Nothing is launched then.
             AllocatorClosed: ``close()`` has begun (Note [Views outlive close]).
         """
         self._check_open()  # Note [Views outlive close]
@@ -548,8 +553,10 @@ class Allocator:
         """Writes ``src`` (shaped as ``gather``'s result) into blocks ``ids`` of every layer.
 
         Raises:
+            TypeError: ``ids`` are not ints or an integer tensor, or ``src`` is not a tensor of
+                the layout's dtype.
             ValueError: an id not allocated, out of range or repeated, or ``src`` of the wrong
-                shape, dtype or device. Nothing is launched then.
+                shape or device. Nothing is launched then.
             AllocatorClosed: ``close()`` has begun.
         """
         self._check_open()  # Note [Views outlive close]
@@ -568,6 +575,7 @@ class Allocator:
         """Zeroes blocks ``ids`` in every layer and buffer.
 
         Raises:
+            TypeError: ``ids`` are not ints or an integer tensor.
             ValueError: an id not allocated or out of range. Nothing is launched then.
             AllocatorClosed: ``close()`` has begun.
         """
@@ -588,6 +596,7 @@ class Allocator:
         """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` in every layer (copy-on-write).
 
         Raises:
+            TypeError: ids that are not ints or integer tensors.
             ValueError: ids not allocated, out of range, of different lengths, or a repeated
                 destination. Nothing is launched then.
             AllocatorClosed: ``close()`` has begun.

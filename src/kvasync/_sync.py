@@ -138,7 +138,10 @@ class SyncAllocator:
             ``n`` distinct block ids.
 
         Raises:
-            ValueError: ``n <= 0``, a bad timeout or deadline, or both given.
+            TypeError: ``n`` is not an int, or ``timeout``/``deadline`` not a number (a bool is
+                neither).
+            ValueError: ``n <= 0``, a negative, NaN or infinite timeout or deadline, or both
+                given.
             OutOfBlocks, AllocTimeout, MapError, AllocatorClosed: as ``Allocator.alloc``.
             RuntimeError: called on the thread of the loop that owns the allocator.
         """
@@ -320,10 +323,8 @@ class SyncAllocator:
     def _due(self, timeout: float | None, deadline: float | None) -> float:
         if timeout is not None and deadline is not None:
             raise ValueError("give either timeout or deadline, not both")
-        if deadline is not None:
-            if not isinstance(deadline, (int, float)) or deadline != deadline:
-                raise ValueError(f"deadline must be a time.monotonic() value, got {deadline!r}")
-            return float(deadline)
+        if deadline is not None:  # as Allocator.alloc checks it, on the clock of threads
+            return _validate.deadline(deadline, "deadline", "time.monotonic()")
         wait = (
             self._kv.config.default_timeout
             if timeout is None
