@@ -37,7 +37,8 @@
 //    of every other retired page (cuMemMap of one handle at many addresses). Before changing
 //    the mappings retire waits, with its deadline, for the device's work (Note [Bounded device
 //    sync]): a kernel launched before close may still use the pages. Past the deadline the
-//    pages keep their own memory until the backend is destroyed.
+//    pages keep their own memory until the backend is destroyed (uncharged too, as the pages
+//    of a close whose free(after=) fences did not complete in time).
 // Python raises AllocatorClosed from layer() and the block operations once close has begun, so
 // no new view or kernel launch reaches the ranges through the allocator; the rule covers the
 // views taken before.
