@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import functools
+import inspect
 import math
 import subprocess
 import sys
 import textwrap
 import threading
 
+import anyio.from_thread
 import pytest
 import torch
 from conftest import blocks_per_page, wait_until, whole_blocks
@@ -547,17 +551,22 @@ async def test_free_block_ids_leave_out_unmapped_and_draining_pages(backend_name
         assert kv.free_block_ids() == []  # nothing mapped, nothing listed
 
 
-@pytest.mark.parametrize("limit", [-1, 1.5, True, "3"])
-async def test_free_block_ids_reject_a_bad_limit_and_change_nothing(backend_name, limit):
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [(-1, ValueError), (2**63, ValueError), (1.5, TypeError), (True, TypeError), ("3", TypeError)],
+)
+async def test_free_block_ids_reject_a_bad_limit_and_change_nothing(backend_name, limit, error):
+    # A wrong type is a TypeError (issue 27: it was a ValueError), a wrong value a ValueError.
     cfg = kvasync.Config(backend=backend_name, max_blocks=8192, reserve_pages=(0, 0))
     async with kvasync.open_allocator(UNIFORM, cfg) as kv:
         held = await kv.alloc(5)
         before = kv.stats()
-        with pytest.raises(ValueError, match="limit must be"):
+        with pytest.raises(error, match="limit must be"):
             kv.free_block_ids(limit)
         assert kv.stats() == before
         kv.free(held)
-    assert kv.free_block_ids() == []  # closed: nothing is free to hand out
+    with pytest.raises(kvasync.AllocatorClosed):
+        kv.free_block_ids()
 
 
 @pytest.mark.parametrize("contiguous", [False, True])
@@ -611,6 +620,112 @@ async def test_calls_on_a_closed_allocator_raise_allocator_closed(backend_name, 
     del blocks
 
 
+async def test_every_public_method_raises_allocator_closed_after_close(backend_name, small_layout):
+    # Issue 27: after close, free raised ValueError ("block 0 is not allocated") and set_demand,
+    # available_blocks, drain_from and free_block_ids returned None, 0, None and []. The walk
+    # covers every public method; one added later without an entry here fails the first assert.
+    cfg = config(backend_name, reserve_pages=(0, 0))
+    kv = await kvasync.Allocator.open(small_layout, cfg)
+    held = await kv.alloc(4)
+    data = kv.gather(held[:1])
+    await kv.close()
+    calls = {
+        "alloc": lambda: kv.alloc(1, timeout=1.0),
+        "alloc_nowait": lambda: kv.alloc_nowait(1),
+        "available_blocks": kv.available_blocks,
+        "set_demand": lambda: kv.set_demand(5),
+        "drain_from": kv.drain_from,
+        "free_block_ids": kv.free_block_ids,
+        "free": lambda: kv.free(held[:1]),
+        "trim": lambda: kv.trim(timeout=1.0),
+        "resize": lambda: kv.resize(memory_limit=None, timeout=1.0),
+        "gather": lambda: kv.gather(held[:1]),
+        "scatter": lambda: kv.scatter(held[:1], data),
+        "zero": lambda: kv.zero(held[:1]),
+        "copy": lambda: kv.copy(held[:1], held[1:2]),
+        "layer": lambda: kv.layer(0),
+        "add_alloc_observer": lambda: kv.add_alloc_observer(lambda waited, seconds: None),
+        "__aenter__": kv.__aenter__,
+    }
+    public = {
+        name
+        for name, value in inspect.getmembers(kvasync.Allocator)
+        if not name.startswith("_") and not isinstance(value, property)
+    }
+    still_served = {"close", "stats", "take_map_seconds", "open"}  # open: a classmethod
+    assert public == set(calls) - {"__aenter__"} | still_served
+    served = []
+    for name, call in calls.items():
+        try:
+            result = call()
+            if inspect.isawaitable(result):
+                result = await result
+        except kvasync.AllocatorClosed:
+            continue
+        except Exception as error:
+            served.append(f"{name}: {type(error).__name__}: {error}")
+        else:  # the type only: a view's repr would read it
+            served.append(f"{name}: returned {type(result).__name__}")
+    assert not served, served
+    await kv.close()  # idempotent
+    # Documented to work after close: the final counters, and the one map's duration, once.
+    assert kv.stats().mapped_pages == 0
+    durations = kv.take_map_seconds()
+    assert len(durations) == 1 and durations[0] > 0
+    assert kv.take_map_seconds() == []
+    assert (kv.num_blocks, kv.layout, kv.backend) == (MAX_BLOCKS, small_layout, backend_name)
+
+
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_calls_from_another_event_loop_raise_and_change_nothing(library):
+    # Issue 27: resize from another loop raised RuntimeError after it had lowered the limit from
+    # 64 pages to 2; trim had started its unmaps, alloc had queued its map, and close had closed
+    # the pool and then failed for good. The allocator runs on a loop in a thread of its own.
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    page = 64 << 10  # 16 blocks of 4 KiB, in each of 4 ranges
+    cfg = kvasync.Config(
+        backend="host",
+        max_blocks=64 * 16,
+        page_size=page,
+        memory_limit=64 * page * 4,
+        reserve_pages=(0, 1),  # no refill; a freed page stays mapped
+    )
+    with anyio.from_thread.start_blocking_portal(library) as portal:
+        kv = portal.call(kvasync.Allocator.open, layout, cfg)
+        held = portal.call(kv.alloc, 20)  # pages 0 and 1
+        kv.free(held[16:])  # page 1 is mapped and free: what a trim would unmap
+        before = dataclasses.replace(kv.stats(), mapper_op_age=0.0)
+        assert (before.memory_limit_pages, before.mapped_pages, before.used_blocks) == (64, 2, 16)
+
+        async def from_another_loop() -> list[str]:
+            calls = {
+                "resize": lambda: kv.resize(memory_limit=2 * page * 4, timeout=1.0),
+                "trim": lambda: kv.trim(timeout=1.0),
+                "alloc": lambda: kv.alloc(200, timeout=1.0),  # needs maps
+                "close": lambda: kv.close(timeout=1.0),
+            }
+            wrong = []
+            for name, call in calls.items():
+                try:
+                    await call()
+                    wrong.append(f"{name}: served")
+                except RuntimeError as error:
+                    if "event loop that opened it" not in str(error):
+                        wrong.append(f"{name}: {error}")
+                after = dataclasses.replace(kv.stats(), mapper_op_age=0.0)
+                if after != before:
+                    wrong.append(f"{name} changed {before} into {after}")
+                    break
+            return wrong
+
+        assert asyncio.run(from_another_loop()) == []
+        kv.free(held[:16])  # the allocator is still whole: its own loop uses and closes it
+        portal.call(functools.partial(kv.resize, memory_limit=2 * page * 4))
+        assert kv.stats().memory_limit_pages == 2
+        portal.call(kv.close)
+        assert kv.stats().mapped_pages == 0
+
+
 def test_layout_and_config_reject_bad_values():
     with pytest.raises(ValueError, match="num_layers"):
         kvasync.KVLayout(num_layers=0, num_kv_heads=1, head_dim=8, block_size=1)
@@ -660,6 +775,101 @@ def test_touching_an_unmapped_block_faults_like_a_gpu():
     )
     assert "touching" in result.stdout
     assert result.returncode == -11, result.stderr  # SIGSEGV
+
+
+# Note [Views outlive close]: a view taken before close, used after it. Run in a child process:
+# before the fix the read killed it with SIGSEGV (and would have killed the test run).
+_VIEW_AFTER_CLOSE = textwrap.dedent(
+    """
+    import asyncio, sys, torch, kvasync
+
+    def shmem_kib():
+        with open("/proc/self/status") as status:
+            return next(int(l.split()[1]) for l in status if l.startswith("RssShmem:"))
+
+    async def main(backend):
+        layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+        cfg = kvasync.Config(backend=backend, max_blocks=4096, reserve_pages=(0, 0))
+        kv = await kvasync.Allocator.open(layout, cfg)
+        before = shmem_kib()
+        ids = await kv.alloc(2048)  # 4 pages of 512 blocks in each of 4 ranges: 32 MiB
+        k, v = kv.layer(1)
+        k[ids] = 1.0
+        print("mapped", kv.stats().mapped_pages, "grew_kib", shmem_kib() - before, flush=True)
+        await kv.close()
+        print("closed", kv.stats().mapped_pages, "kept_kib", shmem_kib() - before, flush=True)
+        for call in (lambda: kv.layer(0), lambda: kv.gather(ids[:1]), lambda: kv.zero(ids[:1])):
+            try:
+                call()
+                print("served after close", flush=True)
+            except kvasync.AllocatorClosed:
+                print("refused: AllocatorClosed", flush=True)
+        total = float(k[ids].float().sum()) + float(v[ids].float().sum())  # reads every block
+        k[ids] = 2.0  # and writes them: a step still running when the engine closed its cache
+        v[ids[-1]] = 3.0
+        print("used the views after close:", total == total, flush=True)
+        if backend == "cuda":
+            torch.cuda.synchronize()  # an illegal address would surface here
+        del k, v
+        print("dropped", flush=True)
+
+    asyncio.run(main(sys.argv[1]))
+    """
+)
+
+
+def test_a_view_taken_before_close_stays_valid_after_it(backend_name):
+    result = subprocess.run(
+        [sys.executable, "-c", _VIEW_AFTER_CLOSE, backend_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert lines[0].startswith("mapped 4 ")
+    assert lines[1].startswith("closed 0 ")  # the pages went back, the views still live
+    assert lines[2:5] == ["refused: AllocatorClosed"] * 3  # no new view, no kernel after close
+    assert lines[5:] == ["used the views after close: True", "dropped"]
+    if backend_name == "host":
+        grew = int(lines[0].split()[-1])
+        kept = int(lines[1].split()[-1])
+        assert grew >= 30 * 1024  # the 32 MiB were mapped (RssShmem counts the memfd pages)...
+        assert kept < 2 * 1024  # ...and given back at close although the views were alive
+
+
+def test_a_block_never_mapped_still_faults_after_close():
+    # The scratch memory goes only where pages were mapped at close: the rest of the range stays
+    # a reservation that faults, as it did before the close (Note [Views outlive close]).
+    script = textwrap.dedent(
+        """
+        import asyncio, kvasync
+        async def main():
+            layout = kvasync.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16)
+            cfg = kvasync.Config(backend="host", reserve_pages=(0, 0))
+            kv = await kvasync.Allocator.open(layout, cfg)
+            ids = await kv.alloc(1)
+            k, v = kv.layer(0)
+            await kv.close()
+            k[ids].sum()
+            print("touching", flush=True)
+            k[2000].sum()  # page 1 (1024 blocks of 2 KiB a page): never mapped
+        asyncio.run(main())
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert "touching" in result.stdout, result.stderr[-2000:]
+    assert result.returncode == -11, result.stderr  # SIGSEGV
+
+
+async def test_layer_after_close_raises_allocator_closed(backend_name, small_layout):
+    kv = await kvasync.Allocator.open(small_layout, config(backend_name))
+    kv.free(await kv.alloc(1))
+    await kv.close()
+    with pytest.raises(kvasync.AllocatorClosed, match="closed"):
+        kv.layer(0)
 
 
 def _shmem_kib() -> int:

@@ -495,6 +495,143 @@ async def test_the_issue_7_cases() -> None:
         await kvasync.Allocator.open(LAYOUT, {})  # type: ignore[arg-type]
 
 
+# -- a wrong type is a TypeError, a wrong value a ValueError (issue 27) -----------------------
+
+WRONG_TYPES: list[object] = ["5", 1.5, True, None, np.bool_(True), [5], torch.tensor(5.0)]
+
+
+def argument_type_cases(kv: kvasync.Allocator, held: list[int]) -> list[Case]:
+    """Each public call's parameters, fed wrong types (only a TypeError passes) then wrong values
+    of the right type (only a ValueError passes)."""
+    sync = kvasync.SyncAllocator(kv)  # argument checks run before its thread check
+    good = kv.gather(held[:1])
+    cases: list[Case] = []
+
+    def add(
+        label: str,
+        call: Callable[[Any], object],
+        names: tuple[str, ...],
+        *,
+        types: Iterable[object] = (),
+        values: Iterable[object] = (),
+    ) -> None:
+        for error, bad in ((TypeError, types), (ValueError, values)):
+            for value in bad:
+                case = Case(f"{label} <- {value!r:.40}", _bind(call, value), names, (error,))
+                cases.append(case)
+
+    add("set_demand", kv.set_demand, ("blocks",), types=WRONG_TYPES, values=[-1, 2**63])
+    add("sync set_demand", sync.set_demand, ("blocks",), types=WRONG_TYPES, values=[-1])
+    ints = [v for v in WRONG_TYPES if v is not None]  # None is "no limit" there
+    add("free_block_ids", kv.free_block_ids, ("limit",), types=ints, values=[-1])
+    add("sync free_block_ids", sync.free_block_ids, ("limit",), types=ints, values=[-1])
+    for label, alloc in [
+        ("alloc(n)", lambda v: kv.alloc(v, timeout=1.0)),
+        ("alloc_nowait(n)", kv.alloc_nowait),
+        ("sync alloc(n)", lambda v: sync.alloc(v, timeout=1.0)),
+    ]:
+        add(label, alloc, ("n",), types=WRONG_TYPES, values=[0, -1])
+    seconds = ["1", True, [1], torch.tensor([1.0])]
+    for label, call in [
+        ("alloc(timeout)", lambda v: kv.alloc(1, timeout=v)),
+        ("alloc(deadline)", lambda v: kv.alloc(1, deadline=v)),
+        ("sync alloc(timeout)", lambda v: sync.alloc(1, timeout=v)),
+        ("sync alloc(deadline)", lambda v: sync.alloc(1, deadline=v)),
+        ("trim(timeout)", lambda v: kv.trim(timeout=v)),
+        ("resize(timeout)", lambda v: kv.resize(memory_limit=None, timeout=v)),
+        ("close(timeout)", lambda v: kv.close(timeout=v)),
+    ]:
+        name = label.split("(")[1][:-1]
+        add(label, call, (name,), types=seconds, values=[-1.0, math.nan, math.inf])
+    flags = [1, "yes", None]
+    add(
+        "trim(release_handles)",
+        lambda v: kv.trim(release_handles=v),
+        ("release_handles",),
+        types=flags,
+    )
+    add(
+        "sync trim(release_handles)",
+        lambda v: sync.trim(release_handles=v),
+        ("release_handles",),
+        types=flags,
+    )
+    limits = ["8MiB", 2.5e6, True, [1]]
+    add(
+        "resize(memory_limit)",
+        lambda v: kv.resize(memory_limit=v, timeout=1.0),
+        ("memory_limit",),
+        types=limits,
+        values=[0, 1],
+    )
+    add(
+        "sync resize(memory_limit)",
+        lambda v: sync.resize(memory_limit=v, timeout=1.0),
+        ("memory_limit",),
+        types=limits,
+        values=[0, 1],
+    )
+    add("layer(index)", kv.layer, ("index",), types=["0", 1.0, True, None])
+    id_types: list[object] = ["12", 5, None, {held[0]}, [float(held[0])], [True], [None]]
+    id_types.append(torch.tensor([float(held[0])]))
+    id_values: list[object] = [[-1], [NUM_BLOCKS], torch.tensor([[held[0]]])]
+    for label, call in [
+        ("free(ids)", kv.free),
+        ("gather(ids)", kv.gather),
+        ("zero(ids)", kv.zero),
+        ("scatter(ids)", lambda v: kv.scatter(v, good)),
+        ("copy(src_ids)", lambda v: kv.copy(v, [held[2]])),
+        ("copy(dst_ids)", lambda v: kv.copy([held[0]], v)),
+    ]:
+        name = label.split("(")[1][:-1]
+        # The pool's own messages say "block id" (free: block id 256 is out of range ...).
+        add(label, call, (name, "block id"), types=id_types, values=id_values)
+    tensors: list[object] = [[[1.0]], good.numpy(), good.float(), 1.0]
+    shapes = [good[..., :32], torch.ones(2, *good.shape[1:], dtype=good.dtype)]
+    add("gather(out)", lambda v: kv.gather(held[:1], v), ("out",), types=tensors, values=shapes)
+    add(
+        "scatter(src)",
+        lambda v: kv.scatter(held[:1], v),
+        ("src",),
+        types=[None, *tensors],
+        values=shapes,
+    )
+    add("add_alloc_observer", kv.add_alloc_observer, ("observer",), types=[5, "f", None])
+    return cases
+
+
+async def test_a_wrong_type_is_a_type_error_naming_the_parameter() -> None:
+    # Issue 27: set_demand('5' | 1.5 | True | None) raised ValueError naming "demand", not the
+    # parameter `blocks`; free_block_ids(limit), the block operations' ids, out and src, and
+    # SyncAllocator.alloc(deadline=True) (accepted as 1.0) had the same defect.
+    kv, held, _ = await open_with_data()
+    try:
+        await check_all(kv, held, argument_type_cases(kv, held))
+    finally:
+        await kv.close(timeout=5.0)
+
+
+def test_construction_and_layout_methods_raise_type_errors_for_wrong_types() -> None:
+    for make, name in [
+        (lambda: kvasync.Config(backend=5), "Config.backend"),  # type: ignore[arg-type]
+        (lambda: kvasync.Config(name=5), "Config.name"),  # type: ignore[arg-type]
+        (lambda: LAYOUT.page_unit("4096"), "page_size"),  # type: ignore[arg-type]
+        (lambda: LAYOUT.page_unit(True), "page_size"),  # type: ignore[arg-type]
+        (lambda: LAYOUT.blocks_per_page(4096.0), "page_size"),  # type: ignore[arg-type]
+        (lambda: LAYOUT.unusable_blocks(4096, "8"), "num_blocks"),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(TypeError, match=name):
+            make()
+    for make, name in [
+        (lambda: kvasync.Config(backend="tpu"), "Config.backend"),
+        (lambda: kvasync.Config(name=""), "Config.name"),
+        (lambda: LAYOUT.page_unit(0), "page_size"),
+        (lambda: LAYOUT.unusable_blocks(4096, -1), "num_blocks"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            make()
+
+
 async def test_a_deadline_already_past_times_out_at_once_unless_the_blocks_are_free() -> None:
     kv = await kvasync.Allocator.open(LAYOUT, config())
     try:

@@ -200,13 +200,17 @@ def test_free_after_close_leaves_every_page_unmapped():
     assert (s["used_blocks"], s["free_blocks"]) == (0, 0), s
 
 
-async def test_allocator_free_after_close_reports_no_mapped_memory(small_layout):
+async def test_allocator_free_after_close_raises_and_reports_no_mapped_memory(small_layout):
     cfg = kvasync.Config(backend="host", max_blocks=4 * 512, reserve_pages=(0, 0))
     kv = await kvasync.Allocator.open(small_layout, cfg)
     blocks = await kv.alloc(10)
     await kv.close()
     assert kv.stats().mapped_pages == 0
-    kv.free(blocks)  # an engine that frees its sequences after shutting the allocator down
+    # An engine that frees its sequences after shutting the allocator down: the pages went with
+    # the close, so there is nothing to give back, and saying so is the rule for every call on a
+    # closed allocator (issue 27). It must not make a page "mapped" again either.
+    with pytest.raises(kvasync.AllocatorClosed):
+        kv.free(blocks)
     stats = kv.stats()
     assert (stats.mapped_pages, stats.reserve_pages, stats.mapped_bytes) == (0, 0, 0), stats
 

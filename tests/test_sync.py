@@ -4,6 +4,7 @@ facade from many threads, and one allocator shared by a loop and threads."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import threading
 import time
@@ -81,7 +82,8 @@ def test_available_blocks_counts_free_mapped_and_mappable_less_waiters():
         blocks = kv.alloc(PER_PAGE + 1, timeout=5.0)
         assert kv.available_blocks() == 3 * PER_PAGE + 99
         kv.free(blocks)
-    assert kv.available_blocks() == 0  # closed
+    with pytest.raises(kvasync.AllocatorClosed):
+        kv.available_blocks()
 
 
 def test_the_blocking_facade_serves_many_threads_at_once_and_leaks_nothing():
@@ -334,3 +336,77 @@ def test_resize_refuses_a_bad_limit_with_the_same_error_as_the_async_allocator(l
                 await kv_async.resize(memory_limit=limit, timeout=5.0)
 
     asyncio.run(resize_async())
+
+
+def test_every_public_method_raises_allocator_closed_after_close():
+    # Issue 27: some calls after close returned 0, None or [] or raised ValueError. The walk covers
+    # every public method; one added later without an entry here fails the first assertion.
+    cfg = kvasync.Config(backend="host", max_blocks=4 * PER_PAGE, reserve_pages=(0, 0))
+    kv = kvasync.open_allocator_sync(LAYOUT, cfg)
+    held = kv.alloc(4, timeout=5.0)
+    data = kv.gather(held[:1])
+    kv.close()
+    kv.close()  # idempotent
+    calls = {
+        "alloc": lambda: kv.alloc(1, timeout=1.0),
+        "alloc_nowait": lambda: kv.alloc_nowait(1),
+        "available_blocks": kv.available_blocks,
+        "set_demand": lambda: kv.set_demand(5),
+        "drain_from": kv.drain_from,
+        "free_block_ids": kv.free_block_ids,
+        "free": lambda: kv.free(held[:1]),
+        "trim": lambda: kv.trim(timeout=1.0),
+        "resize": lambda: kv.resize(memory_limit=None, timeout=1.0),
+        "gather": lambda: kv.gather(held[:1]),
+        "scatter": lambda: kv.scatter(held[:1], data),
+        "zero": lambda: kv.zero(held[:1]),
+        "copy": lambda: kv.copy(held[:1], held[1:2]),
+        "layer": lambda: kv.layer(0),
+        "add_alloc_observer": lambda: kv.add_alloc_observer(lambda waited, seconds: None),
+        "__enter__": kv.__enter__,
+    }
+    public = {
+        name
+        for name, value in inspect.getmembers(kvasync.SyncAllocator)
+        if not name.startswith("_") and not isinstance(value, property)
+    }
+    still_served = {"close", "stats", "take_map_seconds"}
+    assert public == set(calls) - {"__enter__"} | still_served
+    served = []
+    for name, call in calls.items():
+        try:
+            result = call()
+        except kvasync.AllocatorClosed:
+            continue
+        except Exception as error:
+            served.append(f"{name}: {type(error).__name__}: {error}")
+        else:
+            served.append(f"{name}: returned {type(result).__name__} {result!r:.40}")
+    assert not served, served
+    # Documented to work after close: the final counters, and the one map's duration, once.
+    assert kv.stats().mapped_pages == 0
+    durations = kv.take_map_seconds()
+    assert len(durations) == 1 and durations[0] > 0
+    assert kv.take_map_seconds() == []
+    assert (kv.num_blocks, kv.layout, kv.backend) == (4 * PER_PAGE, LAYOUT, "host")
+
+
+def test_close_on_the_facades_own_loop_thread_raises_and_closes_nothing():
+    # A failed call changes nothing (issue 27): close() there used to mark the facade closed,
+    # then wait for its own loop until the timeout and stop that loop, leaving the allocator open
+    # with nothing to drain its completions.
+    cfg = kvasync.Config(backend="host", max_blocks=4 * PER_PAGE, reserve_pages=(0, 0))
+    with kvasync.open_allocator_sync(LAYOUT, cfg) as kv:
+        loop = kv.allocator._loop
+        assert loop is not None
+
+        async def close_there() -> None:
+            kv.close(timeout=0.2)
+
+        attempt = asyncio.run_coroutine_threadsafe(close_there(), loop)
+        with pytest.raises(RuntimeError, match="would wait for itself"):
+            attempt.result(10.0)
+        blocks = kv.alloc(PER_PAGE + 1, timeout=5.0)  # a map: the loop still drains
+        kv.free(blocks)
+    with pytest.raises(kvasync.AllocatorClosed):  # and the with block's close did close it
+        kv.alloc(1, timeout=1.0)

@@ -13,6 +13,35 @@
 //  - map() is all-or-nothing: on failure no page of the call stays mapped in any range.
 //  - Failures are values (BackendResult), never abort(): the error string starts with the driver's
 //    error name (CUDA_ERROR_OUT_OF_MEMORY, ENOMEM, ...).
+//
+// Note [Views outlive close]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Rationale: Python holds torch views over the ranges (Allocator.layer, the block operations),
+// and each view holds the backend (range_view's capsule, the cuda DLPack tensor's deleter), so
+// the reservation lives as long as any view does. A view taken before close may still be used
+// after it: a model step still running when the engine shuts its cache down, a tensor kept in a
+// list. If close unmapped the pages under it, reading it would kill the process (SIGSEGV on host)
+// or, on a GPU, fault with an illegal address that poisons the CUDA context for good.
+// Rule: close never turns an address that was mapped into an unmapped one while the backend
+// lives. It gives the pages' memory back (to the OS or the driver, and to the share's budget) as
+// before, but retire() puts scratch memory under each of them instead of nothing, and that
+// stays until the backend is destroyed, i.e. until the allocator and the last view are gone.
+// A view of the whole range touches after close exactly what it could touch at close: the pages
+// mapped then read and write the scratch memory (what they read is garbage, what they write is
+// lost), the pages never mapped (or unmapped before) still fault, as they did before the close.
+// What the scratch memory costs is bounded and not charged to any budget:
+//  - host: a private anonymous mapping (MAP_NORESERVE). Reading it maps the kernel's shared
+//    zero page and costs nothing; writing allocates process memory, at most what was mapped at
+//    close and only as much as is written.
+//  - cuda: one page: the physical memory of the first page retired is kept and mapped in place
+//    of every other retired page (cuMemMap of one handle at many addresses). Before changing
+//    the mappings retire waits, with its deadline, for the device's work (Note [Bounded device
+//    sync]): a kernel launched before close may still use the pages. Past the deadline the
+//    pages keep their own memory until the backend is destroyed (uncharged too, as the pages
+//    of a close whose free(after=) fences did not complete in time).
+// Python raises AllocatorClosed from layer() and the block operations once close has begun, so
+// no new view or kernel launch reaches the ranges through the allocator; the rule covers the
+// views taken before.
 #pragma once
 
 #include <chrono>
@@ -55,6 +84,13 @@ class Backend {
   virtual BackendResult map(int64_t first, int64_t count) = 0;
   // Unmap pages [first, first + count) in every range and give their memory back.
   virtual BackendResult unmap(int64_t first, int64_t count) = 0;
+  // Note [Views outlive close]: gives back the memory of mapped pages [first, first + count) as
+  // unmap() does, but leaves each of their addresses mapped to scratch memory until the backend
+  // is destroyed. Called by the pool's close only, once the mapper is joined, for pages that are
+  // mapped; a retired page is never mapped again. Device work still using the pages is waited
+  // for until `deadline`; past it (or on any failure) a page keeps its own memory, still mapped.
+  virtual BackendResult retire(int64_t first, int64_t count,
+                               std::chrono::steady_clock::time_point deadline) = 0;
 
   // Fences: opaque handles of device work that used some pages (a CUevent on cuda), handed to
   // free(). The pool owns each fence it is given and calls release_fence() once when no page

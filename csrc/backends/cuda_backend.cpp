@@ -177,6 +177,7 @@ CudaBackend::CudaBackend(int device, int num_ranges, int64_t num_pages, int64_t 
         static_cast<size_t>(num_pages * page_size), static_cast<size_t>(granularity_)));
   }
   mapped_.resize(num_pages);
+  retired_.assign(num_pages, false);
   probe_driver();
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -191,11 +192,12 @@ CudaBackend::~CudaBackend() {
   }
   ScopedContext current(context_);
   for (int64_t page = 0; page < num_pages_; ++page) {
-    if (mapped_[page]) {
+    if (mapped_[page] || retired_[page]) {
       for (int r = 0; r < num_ranges_; ++r) driver_.cuMemUnmap(address(r, page), page_size_);
     }
   }
   mapped_.clear();  // releases the handles (cuMemRelease) ...
+  scratch_.reset();
   spare_.clear();
   to_release_.clear();
   ranges_.clear();  // ... before the reservations are freed
@@ -373,9 +375,10 @@ BackendResult CudaBackend::map(int64_t first, int64_t count) {
     return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: pages out of range");
   }
   for (int64_t page = first; page < first + count; ++page) {
-    if (mapped_[page]) {
+    if (mapped_[page] || retired_[page]) {
       return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: page " + std::to_string(page) +
-                                    " is already mapped");
+                                    (mapped_[page] ? " is already mapped"
+                                                   : " was retired by the allocator's close"));
     }
   }
   const RelaxedCaptureMode relaxed;  // Note [Graph capture beside the mapper]
@@ -473,6 +476,77 @@ BackendResult CudaBackend::unmap(int64_t first, int64_t count) {
   }
   give_back(std::move(freed));
   return first_error;
+}
+
+BackendResult CudaBackend::retire(int64_t first, int64_t count,
+                                  std::chrono::steady_clock::time_point deadline) {
+  if (first < 0 || count <= 0 || first + count > num_pages_) {
+    return BackendResult::failure("CUDA_ERROR_INVALID_VALUE: pages out of range");
+  }
+  const CUresult current = context_.make_current();
+  if (current != CUDA_SUCCESS) return BackendResult::failure(driver_.failure(current, "cuCtxSetCurrent"));
+  // Note [Views outlive close]: a kernel launched before the close may still use pages that were
+  // in use, and no fence says so: wait for all of this process's work on the device, bounded
+  // (Note [Bounded device sync]). Past the deadline nothing changes: the pages keep their memory.
+  try {
+    if (!syncer_) syncer_ = std::make_unique<DeviceSyncer>(context_.device());
+  } catch (const std::exception& e) {
+    return BackendResult::failure(std::string(e.what()) + " (retiring pages at close)");
+  }
+  BackendResult synced = syncer_->sync(deadline);
+  if (!synced.ok) return synced;
+  BackendResult first_error;
+  std::vector<std::unique_ptr<PhysicalPage>> freed;
+  for (int64_t page = first; page < first + count; ++page) {
+    if (!mapped_[page]) continue;
+    if (!scratch_) {  // the first page retired keeps its memory: the scratch from now on
+      scratch_ = std::move(mapped_[page]);
+      retired_[page] = true;
+      continue;
+    }
+    BackendResult result = retire_page(page);
+    if (result.ok) freed.push_back(std::move(mapped_[page]));
+    else if (first_error.ok) first_error = result;  // keep going: give back what we can
+  }
+  {
+    std::lock_guard<std::mutex> lock(spare_mutex_);
+    released_ += static_cast<int64_t>(freed.size());
+  }
+  freed.clear();    // cuMemRelease now, not into the handle pool: the allocator is closing
+  release_spare();  // and the pool's spares with them: the backend may outlive the close
+  return first_error;
+}
+
+BackendResult CudaBackend::retire_page(int64_t page) {
+  // Range by range: the page's own memory out, the scratch page's in, its access set. A step that
+  // fails puts the page's own memory back in that range, so that no address is ever left
+  // unmapped; the page then keeps its memory until the backend is destroyed.
+  const PhysicalPage& own = *mapped_[page];
+  retired_[page] = true;  // from the first range switched on: ~CudaBackend unmaps every range
+  auto mapped_with = [&](int r, const PhysicalPage& memory) {
+    BackendResult result = map_page(r, page, memory);
+    if (!result.ok) return result;
+    const CUresult access = driver_.cuMemSetAccess(address(r, page), page_size_, &access_, 1);
+    if (access == CUDA_SUCCESS) return result;
+    driver_.cuMemUnmap(address(r, page), page_size_);
+    return BackendResult::failure(driver_.failure(access, "cuMemSetAccess"));
+  };
+  for (int r = 0; r < num_ranges_; ++r) {
+    const std::string where = " retiring page " + std::to_string(page) + " in range " +
+                              std::to_string(r) + "; the page keeps its memory";
+    const CUresult unmapped = driver_.cuMemUnmap(address(r, page), page_size_);
+    if (unmapped != CUDA_SUCCESS) {
+      return BackendResult::failure(driver_.failure(unmapped, "cuMemUnmap" + where));
+    }
+    BackendResult scratch = mapped_with(r, *scratch_);
+    if (!scratch.ok) {
+      const bool back = mapped_with(r, own).ok;  // the address must not stay unmapped
+      return BackendResult::failure(
+          scratch.error + " (mapping the scratch page)" + where +
+          (back ? "" : "; restoring it failed too: that address is left unmapped"));
+    }
+  }
+  return BackendResult::success();
 }
 
 BackendResult CudaBackend::wait_fence(uintptr_t fence,

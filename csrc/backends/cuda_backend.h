@@ -32,6 +32,11 @@
 //    reserve refill from a request, so the guard applies to both (a request then gets MapError).
 //  - Fences are CUevents (Note [Unmap safety] in page_pool.h): wait_fence polls cuEventQuery with
 //    short sleeps until the deadline; release_fence destroys the event. No device-wide sync.
+//  - Close: retire() (Note [Views outlive close] in backend.h) waits for the device's work with a
+//    deadline (Note [Bounded device sync]), then keeps the first retired page's memory as scratch
+//    and maps it in place of every other page mapped at close, so that a torch view taken before
+//    close never meets an unmapped address; the rest of the memory is released at once. The
+//    scratch page and those mappings go with the backend.
 // Invariants:
 //  - map() is all or nothing: on any failure, every cuMemMap of the call is undone and its
 //    PhysicalPages go back to the pool. No driver error aborts; each is "<CUDA_ERROR_NAME>: ...".
@@ -197,6 +202,8 @@ class CudaBackend final : public Backend {
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
+  BackendResult retire(int64_t first, int64_t count,
+                       std::chrono::steady_clock::time_point deadline) override;
   BackendResult wait_fence(uintptr_t fence, std::chrono::steady_clock::time_point deadline) override;
   void release_fence(uintptr_t fence) override;
 
@@ -240,6 +247,7 @@ class CudaBackend final : public Backend {
   void give_back(std::vector<std::unique_ptr<PhysicalPage>> pages);
   BackendResult map_page(int range, int64_t page, const PhysicalPage& memory);
   BackendResult unmap_run(int range, int64_t first, int64_t count);
+  BackendResult retire_page(int64_t page);
 
   const cuda::CudaDriver& driver_;
   PrimaryContext context_;
@@ -257,6 +265,10 @@ class CudaBackend final : public Backend {
   bool run_unmap_ = true;       // cuMemUnmap accepts a run of several mappings
   std::vector<std::unique_ptr<AddressReservation>> ranges_;
   std::vector<std::unique_ptr<PhysicalPage>> mapped_;  // by page id; mapper thread only
+  // Note [Views outlive close]: the memory mapped in place of every retired page (the first
+  // page retired keeps its own), and which pages are so mapped. Mapper thread (close) only.
+  std::unique_ptr<PhysicalPage> scratch_;
+  std::vector<bool> retired_;
 
   // Handle pool (Note above).
   const int64_t spare_capacity_;

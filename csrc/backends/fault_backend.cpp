@@ -50,4 +50,10 @@ BackendResult FaultBackend::unmap(int64_t first, int64_t count) {
   return inner_->unmap(first, count);
 }
 
+BackendResult FaultBackend::retire(int64_t first, int64_t count,
+                                   std::chrono::steady_clock::time_point deadline) {
+  apply_delay();
+  return inner_->retire(first, count, deadline);
+}
+
 }  // namespace kvasync

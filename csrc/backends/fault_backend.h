@@ -63,6 +63,9 @@ class FaultBackend final : public Backend {
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
+  // Delayed as unmap() is (a slow close), never failed: Note [Views outlive close].
+  BackendResult retire(int64_t first, int64_t count,
+                       std::chrono::steady_clock::time_point deadline) override;
 
  private:
   void apply_delay() const;

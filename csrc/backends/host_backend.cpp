@@ -96,11 +96,17 @@ BackendResult HostBackend::map_one(const Range& range, int64_t offset, int64_t l
   return BackendResult::success();
 }
 
-BackendResult HostBackend::unmap_one(const Range& range, int64_t offset, int64_t length) {
+BackendResult HostBackend::unmap_one(const Range& range, int64_t offset, int64_t length,
+                                     int protection) {
   void* want = range.base + offset;
-  void* got = mmap(want, length, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                   -1, 0);
-  if (got == MAP_FAILED) return BackendResult::failure(errno_failure("mmap PROT_NONE", errno));
+  // One call replaces the memfd's pages: a thread reading there sees the old pages or the new
+  // ones, never a hole (mmap with MAP_FIXED swaps the mapping under the process's mmap lock).
+  void* got = mmap(want, length, protection,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (got == MAP_FAILED) {
+    return BackendResult::failure(errno_failure(
+        protection == PROT_NONE ? "mmap PROT_NONE" : "mmap of the scratch memory", errno));
+  }
   if (fallocate(range.memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0) {
     return BackendResult::failure(errno_failure("fallocate punch hole", errno));
   }
@@ -115,7 +121,9 @@ BackendResult HostBackend::map(int64_t first, int64_t count) {
   for (size_t r = 0; r < ranges_.size(); ++r) {
     BackendResult result = map_one(ranges_[r], offset, length);
     if (!result.ok) {
-      for (size_t done = 0; done < r; ++done) unmap_one(ranges_[done], offset, length);  // roll back
+      for (size_t done = 0; done < r; ++done) {
+        unmap_one(ranges_[done], offset, length, PROT_NONE);  // roll back
+      }
       return result;
     }
   }
@@ -123,12 +131,23 @@ BackendResult HostBackend::map(int64_t first, int64_t count) {
 }
 
 BackendResult HostBackend::unmap(int64_t first, int64_t count) {
+  return unmap_with(first, count, PROT_NONE);
+}
+
+BackendResult HostBackend::retire(int64_t first, int64_t count,
+                                  std::chrono::steady_clock::time_point /*deadline*/) {
+  // Note [Views outlive close]: private anonymous memory, read as zeros (the shared zero page)
+  // and allocated only where a stale view writes; no device work to wait for on the CPU.
+  return unmap_with(first, count, PROT_READ | PROT_WRITE);
+}
+
+BackendResult HostBackend::unmap_with(int64_t first, int64_t count, int protection) {
   if (first < 0 || count <= 0 || first + count > num_pages_) {
     return BackendResult::failure("EINVAL: pages out of range");
   }
   BackendResult first_error;
   for (const Range& range : ranges_) {
-    BackendResult result = unmap_one(range, first * page_size_, count * page_size_);
+    BackendResult result = unmap_one(range, first * page_size_, count * page_size_, protection);
     if (!result.ok && first_error.ok) first_error = result;  // keep going: free what we can
   }
   return first_error;

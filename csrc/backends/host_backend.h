@@ -9,7 +9,8 @@
 // of memory is an error value, not a SIGBUS later) and maps them over the reservation with
 // MAP_FIXED | MAP_POPULATE, as the CUDA backend maps physical handles into a reserved device range.
 // Unmapping puts a PROT_NONE mapping back and punches a hole in the memfd, which returns the memory
-// to the OS. Touching an unmapped block faults, as on a GPU.
+// to the OS. Touching an unmapped block faults, as on a GPU. At close, retire() puts readable and
+// writable private anonymous memory there instead (Note [Views outlive close] in backend.h).
 // Limitations: page_size must be a multiple of the OS page size.
 #pragma once
 
@@ -33,6 +34,8 @@ class HostBackend final : public Backend {
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
+  BackendResult retire(int64_t first, int64_t count,
+                       std::chrono::steady_clock::time_point deadline) override;
 
  private:
   struct Range {
@@ -40,7 +43,10 @@ class HostBackend final : public Backend {
     int memfd = -1;
   };
   BackendResult map_one(const Range& range, int64_t offset, int64_t length);
-  BackendResult unmap_one(const Range& range, int64_t offset, int64_t length);
+  // Puts `protection` anonymous memory (PROT_NONE: a hole that faults) over the bytes and
+  // punches them out of the memfd.
+  BackendResult unmap_one(const Range& range, int64_t offset, int64_t length, int protection);
+  BackendResult unmap_with(int64_t first, int64_t count, int protection);
 
   int64_t num_pages_;
   int64_t page_size_;

@@ -477,6 +477,19 @@ BackendResult GroupBackend::unmap(int64_t first, int64_t count) {
     const BackendResult local = local_->unmap(first, count);
     if (!local.ok) return local;
   }
+  return unmap_ranks(first, count);
+}
+
+BackendResult GroupBackend::retire(int64_t first, int64_t count,
+                                   std::chrono::steady_clock::time_point deadline) {
+  if (map_local_) {
+    const BackendResult local = local_->retire(first, count, deadline);
+    if (!local.ok) return local;
+  }
+  return unmap_ranks(first, count);
+}
+
+BackendResult GroupBackend::unmap_ranks(int64_t first, int64_t count) {
   const auto deadline = group_detail::deadline_after(unmap_timeout_s_);
   const std::string what = "unmap " + group_detail::describe_pages(first, count);
   std::vector<uint64_t> seqs;

@@ -140,10 +140,16 @@ class GroupBackend final : public Backend {
 
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
+  // The local backend retires the pages (Note [Views outlive close]); the ranks unmap them, as
+  // unmap() has them do (their views are their processes' own).
+  BackendResult retire(int64_t first, int64_t count,
+                       std::chrono::steady_clock::time_point deadline) override;
 
   const std::shared_ptr<SchedulerGroup>& group() const { return group_; }
 
  private:
+  // unmap()'s side on the ranks, once the local backend has given the pages up.
+  BackendResult unmap_ranks(int64_t first, int64_t count);
   // Undoes a failed map everywhere; returns a note for the error when a rank has not yet.
   std::string roll_back(int64_t first, int64_t count, bool local_mapped,
                         group_detail::Clock::time_point deadline);

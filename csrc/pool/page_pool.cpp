@@ -920,12 +920,18 @@ bool PagePool::close(double timeout_s) {
     }
   }
   if (idle) {
-    for (int64_t page : unmapping) {
+    // Note [Views outlive close] (backend.h): retired, not unmapped. The memory goes back, but a
+    // torch view taken before the close still finds every address it could use mapped (to
+    // scratch memory) until the view and the backend are gone. One call per run of pages.
+    for (size_t i = 0; i < unmapping.size();) {
+      size_t end = i + 1;
+      while (end < unmapping.size() && unmapping[end] == unmapping[end - 1] + 1) ++end;
       try {
-        backend_->unmap(page, 1);  // views over them now fault
+        backend_->retire(unmapping[i], static_cast<int64_t>(end - i), deadline);
       } catch (...) {
         // Left mapped: the backend's reservation goes with it.
       }
+      i = end;
     }
   }
   {

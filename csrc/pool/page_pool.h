@@ -211,6 +211,7 @@ class PagePool : public std::enable_shared_from_this<PagePool> {
   int64_t trim(double deadline_s, bool release_cached = true);
   int64_t set_limit_pages(int64_t limit_pages, double deadline_s);
   // Returns true when the mapper thread was joined, false when it was abandoned at the deadline.
+  // The pages mapped then are retired, not unmapped (Note [Views outlive close] in backend.h).
   bool close(double timeout_s);
 
   PoolStats stats() const;

@@ -35,6 +35,19 @@ removed reader would vanish from the parent's loop too) are all the parent's. Th
 never destroyed there either: the mapper thread's reference to it was copied with the memory, and
 no thread is left in the child to drop it. A child opens an allocator of its own, which joins a
 share anew under its own pid.
+
+Note [Views outlive close]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The torch views (``layer()``) are tensors over the reserved ranges; each holds the C++ backend, so
+the address space lives as long as any view does. ``close()`` gives the memory back (the pages, the
+share's budget) but does not leave a view pointing at unmapped memory: the pool's close *retires*
+the pages mapped at close, putting scratch memory under their addresses until the allocator and
+the last view are gone (the full rule, and what the scratch memory costs on each backend, in
+csrc/backends/backend.h). So a view taken before close stays valid until it is dropped: it reads
+garbage (zeros on host) and its writes are lost, but it never kills the process (SIGSEGV on host)
+or poisons the CUDA context (an illegal address). Once ``close()`` has begun, ``layer()`` and the
+block operations (``gather``, ``scatter``, ``zero``, ``copy``) raise ``AllocatorClosed``: no new
+view or kernel launch reaches the ranges through the allocator.
 """
 
 from __future__ import annotations
@@ -129,6 +142,12 @@ class Allocator:
 
     It belongs to the process that opened it: in a forked child every method raises
     ``AllocatorClosed`` and ``close()`` touches nothing (Note [Fork]); open another there.
+
+    Once ``close()`` has begun, every method raises ``AllocatorClosed`` but three: ``close()``
+    itself (idempotent), and the read-only ``stats()`` (the final counters: what close gave back)
+    and ``take_map_seconds()`` (the last maps' durations, for a final metrics scrape). The
+    properties (``num_blocks``, ``page_size``, ``layout``, ``config``, ``backend``) still
+    describe it. Views taken before the close stay valid (Note [Views outlive close]).
     """
 
     def __init__(
@@ -149,6 +168,9 @@ class Allocator:
         trio = loop is None and _loops.current_library() == "trio"
         _validate.instance(loop, "loop", asyncio.AbstractEventLoop, optional=trio)
         self._opened_in = _Process.pid  # Note [Fork]
+        # The process where calls are served: the opener's until close() begins, then 0, so that
+        # one comparison checks both (Note [Fork], Note [Views outlive close]).
+        self._usable_in = self._opened_in
         self._layout = layout
         self._config = config
         self._loop = loop
@@ -258,9 +280,11 @@ class Allocator:
             MapError: the backend failed to map the pages this request needed.
             AllocatorClosed: the allocator is (or was, while waiting) closed, or this is a forked
                 child of the process that opened it (Note [Fork]).
+            RuntimeError: the blocks are not there at once and this is not the event loop (or
+                trio thread) that opened the allocator; nothing was queued.
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         observe = self._observe
@@ -274,6 +298,7 @@ class Allocator:
         if result is None:
             if due is None:
                 due = self._time() + self._default_timeout
+            self._check_loop()  # before the pool queues anything (issue 27)
             request = self._pool.alloc(n, self._pool_deadline(due))
             if isinstance(request, int):  # it became a waiter
                 waited = True
@@ -304,8 +329,8 @@ class Allocator:
             OutOfBlocks: ``n`` can never fit.
             AllocatorClosed: the allocator is closed.
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(n) is not int or not 0 < n <= self._config.max_blocks:
             n = _check_count(n, self._config.max_blocks)
         result = self._pool.alloc_nowait(n)
@@ -330,10 +355,13 @@ class Allocator:
         a request. In a share (``Config.share``), mapping counts only on the budget the share
         leaves this allocator, or on what is left of its fair share when that is more (the
         others are held to theirs while it waits). Free blocks of draining pages do not count
-        (see ``drain_from``). 0 once closed.
+        (see ``drain_from``).
+
+        Raises:
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: read every scheduler step
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: every scheduler step
+            raise self._unusable_error()
         available: int = self._pool.available_blocks()
         return available
 
@@ -346,10 +374,18 @@ class Allocator:
         pool sees itself (blocks held and waited for); what it claims beyond those counts only
         while requests follow it (1 s after the claim or the last request that needed pages:
         Note [Demand claims] in csrc/pool/limit_policy.h). Without a share it changes nothing.
+
+        Args:
+            blocks: the number of blocks wanted now, >= 0 (more than ``num_blocks`` counts as
+                ``num_blocks``).
+
+        Raises:
+            TypeError: ``blocks`` is not an int (a bool, a float or a str is not).
+            ValueError: ``blocks`` is negative or beyond int64.
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
-        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
-            raise ValueError(f"demand must be a number of blocks >= 0, got {blocks!r}")
+        self._check_open()
+        blocks = _validate.integer(blocks, "blocks", minimum=0)
         self._pool.set_demand(min(blocks, self.num_blocks))
 
     def drain_from(self) -> int | None:
@@ -360,9 +396,12 @@ class Allocator:
         budget), the highest pages over it drain: no block is handed out from them any more,
         and each is unmapped as soon as its last block is freed. A scheduler that frees the
         blocks ``>= drain_from()`` (preempting the requests holding them) gives the memory back
-        at once rather than when those requests end. None when nothing drains, or once closed.
+        at once rather than when those requests end. None when nothing drains.
+
+        Raises:
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         block = int(self._pool.drain_from_block())
         return None if block < 0 else block
 
@@ -373,21 +412,20 @@ class Allocator:
         would return, when nothing else changes the pool in between and no waiter holds the
         blocks back. Blocks of draining pages (``drain_from``) are not listed: no allocation
         takes them. Nothing is taken or reserved; the listing is stale as soon as another call
-        allocates, frees, maps or unmaps. [] once closed.
+        allocates, frees, maps or unmaps.
 
         Args:
             limit: list at most this many (``None``: all of them). A scheduler that only needs
                 the next few pays for those alone.
 
         Raises:
-            ValueError: ``limit`` is not an int >= 0 (or None).
+            TypeError: ``limit`` is not an int or None (a bool, a float or a str is not).
+            ValueError: ``limit`` is negative or beyond int64.
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
-        if limit is None:
-            limit = self.num_blocks
-        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit must be a number of blocks >= 0 or None, got {limit!r}")
-        ids: list[int] = self._pool.free_blocks_in_order(min(limit, self.num_blocks))
+        self._check_open()
+        wanted = self.num_blocks if limit is None else _validate.integer(limit, "limit", minimum=0)
+        ids: list[int] = self._pool.free_blocks_in_order(min(wanted, self.num_blocks))
         return ids
 
     def free(self, ids: Sequence[int], *, after: object = None) -> None:
@@ -399,12 +437,15 @@ class Allocator:
                 reads or writes the blocks. Their pages are not unmapped before it completes.
 
         Raises:
-            TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int.
+            TypeError: ``ids`` is not such a sequence (a set or dict is not), or holds a non-int;
+                or (cuda) ``after`` is neither a stream nor an event.
             ValueError: an id is out of range, not allocated, or repeated, or ``after`` is not
                 usable here; nothing is freed then.
+            AllocatorClosed: the allocator is closed (its pages went with it: there is nothing
+                to give back), or this is a forked child (Note [Fork]).
         """
-        if self._opened_in != _Process.pid:  # Note [Fork]; inline: the hot path
-            raise _forked_error(self._opened_in)
+        if self._usable_in != _Process.pid:  # Note [Fork], closed; inline: the hot path
+            raise self._unusable_error()
         if type(ids) is not list:  # a list goes straight to the pool, which checks its items
             ids = _validate.block_ids(ids, "ids")
         if after is None:
@@ -435,10 +476,12 @@ class Allocator:
             AllocTimeout: the unmaps did not finish in time.
             MapError: the backend failed to unmap.
             AllocatorClosed: the allocator is closed.
+            RuntimeError: not called on the event loop that opened it; nothing was unmapped.
         """
-        self._check_process()
+        self._check_open()
         _validate.flag(release_handles, "release_handles")
         due = self._deadline(timeout, None)
+        self._check_loop()
         request = self._pool.trim(self._pool_deadline(due), release_handles)
         if request:
             await self._wait(request, due, "trim")
@@ -461,11 +504,13 @@ class Allocator:
             ValueError: the limit is below one page, or a bad timeout.
             AllocTimeout: the unmaps did not finish in time.
             AllocatorClosed: the allocator is closed.
+            RuntimeError: not called on the event loop that opened it; the limit is unchanged.
         """
-        self._check_process()
+        self._check_open()
         if memory_limit is not None:
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         due = self._deadline(timeout, None)
+        self._check_loop()  # a failed call changes nothing: the limit neither (issue 27)
         request = self._pool.set_limit_pages(
             self._limit_pages(memory_limit), self._pool_deadline(due)
         )
@@ -488,10 +533,13 @@ class Allocator:
             ``out`` or a new tensor of that shape.
 
         Raises:
-            ValueError: an id not allocated or out of range, or ``out`` of the wrong shape, dtype
-                or device. Nothing is launched then.
+            TypeError: ``ids`` are not ints or an integer tensor, or ``out`` is not a tensor of
+                the layout's dtype.
+            ValueError: an id not allocated or out of range, or ``out`` of the wrong shape or
+                device. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun (Note [Views outlive close]).
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         return _block_ops.gather(
@@ -507,10 +555,13 @@ class Allocator:
         """Writes ``src`` (shaped as ``gather``'s result) into blocks ``ids`` of every layer.
 
         Raises:
+            TypeError: ``ids`` are not ints or an integer tensor, or ``src`` is not a tensor of
+                the layout's dtype.
             ValueError: an id not allocated, out of range or repeated, or ``src`` of the wrong
-                shape, dtype or device. Nothing is launched then.
+                shape or device. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.scatter(
@@ -526,9 +577,11 @@ class Allocator:
         """Zeroes blocks ``ids`` in every layer and buffer.
 
         Raises:
+            TypeError: ``ids`` are not ints or an integer tensor.
             ValueError: an id not allocated or out of range. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.zero(
@@ -545,10 +598,12 @@ class Allocator:
         """Copies block ``src_ids[i]`` to block ``dst_ids[i]`` in every layer (copy-on-write).
 
         Raises:
+            TypeError: ids that are not ints or integer tensors.
             ValueError: ids not allocated, out of range, of different lengths, or a repeated
                 destination. Nothing is launched then.
+            AllocatorClosed: ``close()`` has begun.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         from . import _block_ops
 
         _block_ops.copy(
@@ -570,11 +625,16 @@ class Allocator:
         touched: an unmapped block faults, as on a GPU (and an id across a page boundary is never
         allocated: Note [Blocks across page boundaries]).
 
+        A view stays valid after ``close()`` until it is dropped (Note [Views outlive close]):
+        the blocks that were mapped at close read garbage and take writes that are lost, and
+        nothing faults that did not fault before; the memory itself went back at close.
+
         Raises:
             TypeError: ``index`` is not an int (or is a bool).
             IndexError: no such layer.
+            AllocatorClosed: ``close()`` has begun: no new view of a closed allocator.
         """
-        self._check_process()
+        self._check_open()  # Note [Views outlive close]
         index = _validate.index(index, "layer index", self._layout.num_layers)
         per = self._layout.kv_buffers
         return tuple(self._buffers[index * per : (index + 1) * per])
@@ -605,7 +665,14 @@ class Allocator:
         return str(self._backend.name)
 
     def stats(self) -> AllocatorStats:
-        """A consistent snapshot of pages, blocks, waiters and the mapper's current op."""
+        """A consistent snapshot of pages, blocks, waiters and the mapper's current op.
+
+        Also after ``close()``: the final counters (no page is mapped then, unless a mapper stuck
+        in the driver was abandoned).
+
+        Raises:
+            AllocatorClosed: called in a forked child (Note [Fork]).
+        """
         self._check_process()
         return AllocatorStats.from_core(
             self._pool.stats(),
@@ -634,9 +701,9 @@ class Allocator:
 
         Raises:
             TypeError: ``observer`` is not callable.
-            AllocatorClosed: called in a forked child (Note [Fork]).
+            AllocatorClosed: the allocator is closed, or this is a forked child (Note [Fork]).
         """
-        self._check_process()
+        self._check_open()
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {observer!r}")
         entry = _AllocObserver(observer)
@@ -655,7 +722,8 @@ class Allocator:
 
         Each duration is returned once (a batch's jobs share theirs), so one consumer should read
         them: ``kvasync.integrations.metrics`` does at each scrape. At most 4096 are kept between
-        two calls; later ones are dropped until the next call.
+        two calls; later ones are dropped until the next call. Also after ``close()``: the
+        durations recorded before it are still taken once.
 
         Returns:
             The durations, oldest first; ``[]`` when no map finished since the last call.
@@ -673,6 +741,9 @@ class Allocator:
 
         Finishes within ``timeout`` even with the mapper stuck in a driver call: the thread is
         then abandoned (it ends by itself when the call returns) and its mappings are left to it.
+        The memory goes back, but views taken before (``layer()``) stay valid until dropped:
+        their addresses are left on scratch memory, never unmapped under them (Note [Views
+        outlive close]).
         The wait runs on a thread of its own, so a default executor the application keeps busy
         does not delay it. Idempotent. In a forked child it returns at once and touches nothing:
         the pages and the share's ledger entry are the parent's (Note [Fork]).
@@ -683,10 +754,14 @@ class Allocator:
         Raises:
             TypeError: ``timeout`` is not a number (or is a bool).
             ValueError: ``timeout`` is negative, NaN or infinite.
+            RuntimeError: not called on the event loop (or trio thread) that opened it; nothing
+                is closed then.
         """
         wait = self._config.default_timeout if timeout is None else self._check_timeout(timeout)
         if self._opened_in != _Process.pid:
             return  # Note [Fork]: nothing here is this process's to close
+        self._check_loop()  # before anything changes: a close half done on another loop hung
+        self._usable_in = 0  # from now on the other calls raise AllocatorClosed
         if self._trio is not None:
             await self._trio.close(wait)
             return
@@ -743,6 +818,7 @@ class Allocator:
             await asyncio.wait_for(asyncio.shield(done), max(wait, 1.0) + _CLOSE_GRACE_S)
 
     async def __aenter__(self) -> Allocator:
+        self._check_open()  # entering a closed allocator is a mistake too
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -793,6 +869,37 @@ class Allocator:
         if self._opened_in != _Process.pid:
             raise _forked_error(self._opened_in)
 
+    def _check_open(self) -> None:
+        # Note [Fork] and Note [Views outlive close]: one comparison for both.
+        if self._usable_in != _Process.pid:
+            raise self._unusable_error()
+
+    def _unusable_error(self) -> AllocatorClosed:
+        if self._opened_in != _Process.pid:
+            return _forked_error(self._opened_in)
+        return AllocatorClosed("the allocator is closed (close() was called); open another one")
+
+    def _check_loop(self) -> None:
+        # Before any state changes (issue 27: resize from another loop had lowered the limit
+        # before it raised): the calls that wait run on the loop, or trio thread, that opened it.
+        if self._trio is not None:
+            if threading.get_ident() == self._trio.thread:
+                return
+        else:
+            try:
+                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:  # no asyncio loop here (trio, or none at all)
+                running = None
+            if running is self._loop:
+                return
+        raise RuntimeError(
+            f"this allocator belongs to the {self._library} event loop that opened it (on "
+            f"thread {self._loop_thread}; this is thread {threading.get_ident()}): alloc, "
+            "trim, resize and close are called there, and nothing was changed. Open one "
+            "allocator per loop (with pytest-asyncio, give the fixture and the tests the same "
+            "loop scope), or wrap it in kvasync.SyncAllocator for threads"
+        )
+
     def _notify_observers(self, waited: bool, seconds: float) -> None:
         for entry in self._observers:
             try:
@@ -815,7 +922,13 @@ class Allocator:
 
     def _time(self) -> float:
         # The clock of `deadline=`: loop.time() on asyncio, trio.current_time() on trio.
-        return self._loop.time() if self._loop is not None else _loops.TrioDriver.time()
+        if self._loop is not None:
+            return self._loop.time()
+        try:
+            return _loops.TrioDriver.time()
+        except RuntimeError:  # trio's "must be called from async context": say whose it is
+            self._check_loop()
+            raise
 
     def _pool_deadline(self, due: float) -> float:
         # Note [Clocks] in _loops: an enclosing cancel scope's deadline bounds the mapper too.
@@ -827,12 +940,6 @@ class Allocator:
             return await self._trio.wait(request, due, what)
         loop = self._loop
         assert loop is not None, "an asyncio allocator has a loop (a bug otherwise)"
-        if asyncio.get_running_loop() is not loop:
-            self._pool.cancel(request, False)
-            raise RuntimeError(
-                "this allocator belongs to the event loop that opened it; open one allocator per "
-                "loop (with pytest-asyncio, give the fixture and the tests the same loop scope)"
-            )
         if self._spin_s > 0.0:  # see _SPIN_S
             spin = min(self._spin_s, due - loop.time())
             record = self._pool.take_completion(request, spin) if spin > 0 else None
@@ -979,8 +1086,8 @@ class _DriverPort:
         # The pool's bound method: a worker thread running it holds the pool, never the allocator.
         self.close_pool: Callable[[float], object] = allocator._pool.close
 
-    def check_process(self) -> None:
-        self._kv._check_process()
+    def check_open(self) -> None:
+        self._kv._check_open()
 
     @property
     def forked(self) -> bool:

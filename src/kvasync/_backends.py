@@ -172,8 +172,9 @@ def make_fence(backend: _core.Backend, after: object) -> int:
     The pool takes ownership of the handle (Note [Unmap safety] in csrc/pool/page_pool.h).
 
     Raises:
-        ValueError: ``after`` is given on a backend without device work, or is not a stream or
-            event of this allocator's device.
+        TypeError: (cuda) ``after`` is neither a stream nor an event.
+        ValueError: ``after`` is given on a backend without device work, or is a stream or event
+            of another device.
     """
     if after is None:
         return 0

@@ -127,8 +127,12 @@ def _describe(x: object) -> str:
 
 def _check_ids(ids: Ids, layout: _Layout, what: str) -> list[int]:
     """The ids as a list, checked for type, device and range."""
+    # Note [Argument errors] in _validate: a wrong type (or dtype) is a TypeError, a wrong value
+    # (shape, device, range) a ValueError.
     if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{what} must be a 1-D integer tensor, got {_describe(ids)}")
+        if ids.dim() != 1:
             raise ValueError(f"{what} must be a 1-D integer tensor, got {_describe(ids)}")
         if ids.device not in (torch.device("cpu"), layout.device):
             raise ValueError(
@@ -139,7 +143,7 @@ def _check_ids(ids: Ids, layout: _Layout, what: str) -> list[int]:
     elif isinstance(ids, Sequence) and not isinstance(ids, str | bytes):
         values = [_as_int(x, what, k) for k, x in enumerate(ids)]
     else:
-        raise ValueError(f"{what} must be a sequence of ints or a 1-D tensor, got {_describe(ids)}")
+        raise TypeError(f"{what} must be a sequence of ints or a 1-D tensor, got {_describe(ids)}")
     bad = [i for i in values if not 0 <= i < layout.num_blocks]
     if bad:
         raise ValueError(f"{what} out of range [0, {layout.num_blocks}): {_show(bad)}")
@@ -148,11 +152,11 @@ def _check_ids(ids: Ids, layout: _Layout, what: str) -> list[int]:
 
 def _as_int(x: object, what: str, k: int) -> int:
     if isinstance(x, bool):
-        raise ValueError(f"{what}[{k}] is a bool, not a block id")
+        raise TypeError(f"{what}[{k}] is a bool, not a block id")
     try:
         return operator.index(x)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"{what}[{k}] is {x!r}, not an int") from None
+        raise TypeError(f"{what}[{k}] is {x!r}, not an int") from None
 
 
 def _check_allocated(values: list[int], is_allocated: IsAllocated, what: str) -> None:
@@ -173,8 +177,13 @@ def _check_distinct(values: list[int], what: str) -> None:
 def _check_blocks_tensor(t: object, layout: _Layout, n: int, what: str) -> None:
     expected = layout.blocks_shape(n)
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{what} must be a tensor of shape {expected}, got {_describe(t)}")
-    if tuple(t.shape) != expected or t.dtype != layout.dtype or t.device != layout.device:
+        raise TypeError(f"{what} must be a tensor of shape {expected}, got {_describe(t)}")
+    if t.dtype != layout.dtype:
+        raise TypeError(
+            f"{what} must be a {layout.dtype} tensor of shape {expected} on {layout.device}, "
+            f"got {_describe(t)}"
+        )
+    if tuple(t.shape) != expected or t.device != layout.device:
         raise ValueError(
             f"{what} must be a {layout.dtype} tensor of shape {expected} on {layout.device}, "
             f"got {_describe(t)}"
@@ -282,8 +291,10 @@ def gather(
         `out`, or the new tensor: out[i, layer, kv] = buffers[layer * kv_buffers + kv][ids[i]].
 
     Raises:
+        TypeError: `ids` not ints or an integer tensor, or an `out` that is not a tensor of
+            the buffers' dtype.
         ValueError: a malformed buffer list, an id out of range or not allocated, an `out` of
-            the wrong shape, dtype or device, or not contiguous. Nothing is launched then.
+            the wrong shape or device, or not contiguous. Nothing is launched then.
     """
     layout = _check_layout(buffers, kv_buffers)
     values = _check_ids(ids, layout, "ids")
@@ -330,9 +341,10 @@ def scatter(
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
+        TypeError: `ids` not ints or an integer tensor, or a `src` that is not a tensor of
+            the buffers' dtype.
         ValueError: a malformed buffer list, an id out of range, repeated or not allocated, a
-            `src` of the wrong shape, dtype or device, or not contiguous. Nothing is launched
-            then.
+            `src` of the wrong shape or device, or not contiguous. Nothing is launched then.
     """
     layout = _check_layout(buffers, kv_buffers)
     values = _check_ids(ids, layout, "ids")
@@ -371,6 +383,7 @@ def zero(
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
+        TypeError: `ids` not ints or an integer tensor.
         ValueError: a malformed buffer list, an id out of range or not allocated. Nothing is
             launched then.
     """
@@ -410,6 +423,7 @@ def copy(
             caller: building it copies it to the device, which synchronizes with the host.
 
     Raises:
+        TypeError: id lists that are not ints or integer tensors.
         ValueError: a malformed buffer list, ids out of range or not allocated, id lists of
             different lengths, a repeated destination or one that is also a source. Nothing is
             launched then.

@@ -86,7 +86,12 @@ class Config:
         def store(name: str, value: object) -> None:
             object.__setattr__(self, name, value)  # a frozen dataclass, still being built
 
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
+        if not isinstance(self.backend, str):
+            raise TypeError(
+                f"Config.backend must be a str, one of {BACKENDS}, got "
+                f"{_validate.type_name(self.backend)} ({self.backend!r})"
+            )
+        if self.backend not in BACKENDS:
             raise ValueError(f"Config.backend must be one of {BACKENDS}, got {self.backend!r}")
         store("max_blocks", _validate.integer(self.max_blocks, "Config.max_blocks", minimum=1))
         if self.memory_limit is not None:
@@ -136,7 +141,12 @@ class Config:
             object.__setattr__(self, "device_budget", budget)
             if self.share is None:
                 raise ValueError("Config.device_budget needs Config.share (the share it budgets)")
-        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(
+                f"Config.name must be a non-empty str or None, got "
+                f"{_validate.type_name(self.name)} ({self.name!r})"
+            )
+        if self.name is not None and not self.name:
             raise ValueError(f"Config.name must be a non-empty str or None, got {self.name!r}")
 
     def _check_reserve_pages(self) -> tuple[int, int]:

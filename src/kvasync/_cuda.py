@@ -56,7 +56,8 @@ def make_fence(backend: _core.Backend, after: object) -> int:
       theirs at once.
 
     Raises:
-        ValueError: ``after`` is neither, is on another device, or is an event never recorded.
+        TypeError: ``after`` is neither.
+        ValueError: ``after`` is on another device, or is an event never recorded.
     """
     device = _device_of(backend)
     if isinstance(after, torch.cuda.Stream):
@@ -70,7 +71,7 @@ def make_fence(backend: _core.Backend, after: object) -> int:
         if event_device is not None:
             _check_device(event_device, device, "event")
         return _core.cuda_record_fence(device, 0, handle)
-    raise ValueError(
+    raise TypeError(
         f"free(after=...) takes a torch.cuda.Stream or torch.cuda.Event, got {type(after).__name__}"
     )
 

@@ -130,10 +130,10 @@ class KVLayout:
         does (Note [Blocks across page boundaries]).
 
         Raises:
-            ValueError: ``page_size`` is not a positive int.
+            TypeError: ``page_size`` is not an int (or is a bool).
+            ValueError: ``page_size`` is not positive.
         """
-        if type(page_size) is not int or page_size <= 0:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        page_size = _validate.count(page_size, "page_size")
         block = self.range_block_bytes
         multiple = max(1, -(-block // page_size))
         while (block - math.gcd(multiple * page_size, block)) * _MAX_LOST_SHARE > (
@@ -144,7 +144,14 @@ class KVLayout:
 
     def unusable_blocks(self, page_size: int, num_blocks: int) -> int:
         """Block ids of ``range(num_blocks)`` that straddle a boundary of pages of ``page_size``
-        bytes per range (a unit from ``page_unit``), and so are never handed out."""
+        bytes per range (a unit from ``page_unit``), and so are never handed out.
+
+        Raises:
+            TypeError: ``page_size`` or ``num_blocks`` is not an int (or is a bool).
+            ValueError: ``page_size`` is not positive, or ``num_blocks`` is negative.
+        """
+        page_size = _validate.count(page_size, "page_size")
+        num_blocks = _validate.integer(num_blocks, "num_blocks", minimum=0)
         block = self.range_block_bytes
         ends = num_blocks * block
         # A boundary k * page_size inside (0, ends) cuts a block unless it is a block boundary.
@@ -159,8 +166,10 @@ class KVLayout:
         do not all hold the same number of blocks.
 
         Raises:
-            ValueError: ``page_size`` is not a multiple of the block's bytes in a range.
+            TypeError: ``page_size`` is not an int (or is a bool).
+            ValueError: ``page_size`` is not a positive multiple of the block's bytes in a range.
         """
+        page_size = _validate.count(page_size, "page_size")
         stride = self.range_block_bytes
         if page_size < stride or page_size % stride:
             fitting = (page_size // stride + 1) * stride if page_size < stride else None

@@ -47,8 +47,9 @@ class RequestSource(Protocol):
         """Whether this is a forked child of the process that opened the allocator, where its
         threads do not exist (Note [Fork] in _allocator)."""
 
-    def check_process(self) -> None:
-        """Raises ``AllocatorClosed`` in such a forked child."""
+    def check_open(self) -> None:
+        """Raises ``AllocatorClosed`` in such a forked child, or once the allocator's close
+        has begun."""
 
     def check_count(self, n: object) -> int:
         """``n`` as a number of blocks, checked as ``Allocator.alloc`` checks it."""
@@ -102,6 +103,10 @@ class SyncAllocator:
     already open on an asyncio or trio loop with ``SyncAllocator(kv)``, so that threads share it
     with that loop. Blocking calls must not run on the owning loop's own thread (they would wait
     for the loop they block): they raise ``RuntimeError`` there.
+
+    Once the allocator's close has begun (this facade's ``close()`` or the loop's), every method
+    raises ``AllocatorClosed`` but ``close()`` (idempotent), ``stats()`` and
+    ``take_map_seconds()``, as on ``Allocator``; the properties still describe it.
     """
 
     def __init__(self, allocator: Allocator, *, _owner: _LoopThread | None = None) -> None:
@@ -133,12 +138,15 @@ class SyncAllocator:
             ``n`` distinct block ids.
 
         Raises:
-            ValueError: ``n <= 0``, a bad timeout or deadline, or both given.
+            TypeError: ``n`` is not an int, or ``timeout``/``deadline`` not a number (a bool is
+                neither).
+            ValueError: ``n <= 0``, a negative, NaN or infinite timeout or deadline, or both
+                given.
             OutOfBlocks, AllocTimeout, MapError, AllocatorClosed: as ``Allocator.alloc``.
             RuntimeError: called on the thread of the loop that owns the allocator.
         """
         source = self._source
-        source.check_process()  # Note [Fork]: the loop thread that would answer is not here
+        source.check_open()  # closed, or Note [Fork]: the loop thread that would answer is gone
         n = source.check_count(n)
         due = self._due(timeout, deadline)
         self._check_thread()
@@ -182,7 +190,7 @@ class SyncAllocator:
         """
         _validate.flag(release_handles, "release_handles")  # as Allocator.trim checks it
         source = self._source
-        source.check_process()
+        source.check_open()
         due = self._due(timeout, None)
         self._check_thread()
         self._call(lambda: source.start_trim(due, release_handles), due, "trim")
@@ -190,7 +198,7 @@ class SyncAllocator:
     def resize(self, *, memory_limit: int | None, timeout: float | None = None) -> None:
         """As ``Allocator.resize``, blocking this thread at most ``timeout``."""
         source = self._source
-        source.check_process()
+        source.check_open()
         if memory_limit is not None:  # the same errors as Allocator.resize
             _validate.integer(memory_limit, "memory_limit", minimum=1)
         pages = source.limit_pages(memory_limit)
@@ -278,7 +286,8 @@ class SyncAllocator:
         (Note [Fork] in _allocator).
 
         Raises:
-            RuntimeError: this facade wraps an allocator of another loop: close it there.
+            RuntimeError: this facade wraps an allocator of another loop: close it there; or it
+                is called on its own loop's thread. Nothing is closed then.
         """
         if self._owner is None:
             raise RuntimeError(
@@ -292,15 +301,18 @@ class SyncAllocator:
         )
         if self._closed:
             return
-        self._closed = True
         if self._source.forked:
+            self._closed = True
             return
+        self._check_thread()  # before anything changes: it would wait for its own thread
+        self._closed = True
         try:
             self._owner.run(self._kv.close(timeout=wait), wait + 1.0, "close")
         finally:
             self._owner.stop(1.0)
 
     def __enter__(self) -> SyncAllocator:
+        self._source.check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -311,10 +323,8 @@ class SyncAllocator:
     def _due(self, timeout: float | None, deadline: float | None) -> float:
         if timeout is not None and deadline is not None:
             raise ValueError("give either timeout or deadline, not both")
-        if deadline is not None:
-            if not isinstance(deadline, (int, float)) or deadline != deadline:
-                raise ValueError(f"deadline must be a time.monotonic() value, got {deadline!r}")
-            return float(deadline)
+        if deadline is not None:  # as Allocator.alloc checks it, on the clock of threads
+            return _validate.deadline(deadline, "deadline", "time.monotonic()")
         wait = (
             self._kv.config.default_timeout
             if timeout is None

@@ -10,6 +10,12 @@ A caller's mistake is raised before anything changes, and its message names the 
 * ``ValueError``: the type is right, the value is out of range (negative, NaN, infinite, beyond
   what the C++ core's int64 holds, ...).
 
+A tensor's dtype is part of its type here: float ids, or an ``out``/``src`` of another dtype than
+the KV cache's, are a ``TypeError``; a wrong shape or device is a ``ValueError``. Every public
+method of ``Allocator`` and ``SyncAllocator`` follows this, tests/test_fuzz_args.py checks it
+parameter by parameter (issue 27 found ``set_demand``, ``free_block_ids``, the block operations and
+the facade's ``deadline`` raising ``ValueError`` for a wrong type).
+
 These helpers are called at the top of each public method, before the C++ pool sees the value, so
 that no value reaches pybind11's conversion (whose error is a signature dump naming no argument).
 The hot paths (``alloc`` of a plain positive int, ``free`` of a list) test the common case inline
@@ -127,8 +133,9 @@ def seconds(value: object, name: str, *, positive: bool = False) -> float:
     return result
 
 
-def deadline(value: object, name: str) -> float:
-    """A ``loop.time()`` value: finite and ``>= 0`` (the loop's clock is monotonic, from boot).
+def deadline(value: object, name: str, clock: str = "loop.time()") -> float:
+    """A value of ``clock`` (``loop.time()``, ``time.monotonic()``): finite and ``>= 0`` (both
+    are monotonic clocks, from boot).
 
     A deadline already past is valid: the call then behaves as with ``timeout=0``.
 
@@ -136,9 +143,9 @@ def deadline(value: object, name: str) -> float:
         TypeError: not a real number, or a bool.
         ValueError: NaN, infinite or negative.
     """
-    result = number(value, name, "a loop.time() value")
+    result = number(value, name, f"a {clock} value")
     if not math.isfinite(result) or result < 0:
-        raise ValueError(f"{name} must be a finite loop.time() value >= 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite {clock} value >= 0, got {value!r}")
     return result
 
 

@@ -122,6 +122,10 @@ class Device final : public stress::WrappingBackend<kvasync::HostBackend> {
 
   BackendResult map(int64_t first, int64_t count) override { return call(true, first, count); }
   BackendResult unmap(int64_t first, int64_t count) override { return call(false, first, count); }
+  // The pool's close (Note [Views outlive close]): checked and counted as an unmap.
+  BackendResult retire(int64_t first, int64_t count, Clock::time_point deadline) override {
+    return call(false, first, count, &deadline);
+  }
 
   bool held(int64_t page) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -151,7 +155,8 @@ class Device final : public stress::WrappingBackend<kvasync::HostBackend> {
   void set_unmap_failures(int pct) { unmap_fail_pct_ = pct; }
 
  private:
-  BackendResult call(bool mapping, int64_t first, int64_t count) {
+  BackendResult call(bool mapping, int64_t first, int64_t count,
+                     const Clock::time_point* retire_by = nullptr) {
     CHECK(in_call_.fetch_add(1) == 0, who_ + ": two backend calls at once");
     struct Leave {
       std::atomic<int>& n;
@@ -171,7 +176,9 @@ class Device final : public stress::WrappingBackend<kvasync::HostBackend> {
       counts.injected_unmap_failures++;
       return BackendResult::failure("EBUSY: injected unmap failure");
     }
-    BackendResult result = mapping ? inner_->map(first, count) : inner_->unmap(first, count);
+    BackendResult result = mapping     ? inner_->map(first, count)
+                           : retire_by ? inner_->retire(first, count, *retire_by)
+                                       : inner_->unmap(first, count);
     CHECK(result.ok, who_ + ": the host backend failed: " + result.error);
     const uint64_t now = event_clock.fetch_add(1);
     (mapping ? counts.device_maps : counts.device_unmaps) += count;
@@ -226,6 +233,8 @@ class Observer final : public stress::WrappingBackend<kvasync::GroupBackend> {
   const char* name() const override { return inner_->name(); }
   BackendResult map(int64_t first, int64_t count) override;
   BackendResult unmap(int64_t first, int64_t count) override;
+  // The pool's close (Note [Views outlive close]): checked as an unmap.
+  BackendResult retire(int64_t first, int64_t count, Clock::time_point deadline) override;
 
  private:
   Round& round_;
@@ -375,9 +384,11 @@ class Round {
     return result;
   }
 
-  BackendResult observe_unmap(kvasync::GroupBackend& inner, int64_t first, int64_t count) {
+  BackendResult observe_unmap(kvasync::GroupBackend& inner, int64_t first, int64_t count,
+                              const Clock::time_point* retire_by = nullptr) {
     const auto start = Clock::now();
-    const BackendResult result = inner.unmap(first, count);
+    const BackendResult result =
+        retire_by ? inner.retire(first, count, *retire_by) : inner.unmap(first, count);
     const double took = since(start);
     CHECK(took <= unmap_timeout_ + kSlack,
           "GroupBackend::unmap took " + std::to_string(took) + " s, its timeout is " +
@@ -951,6 +962,10 @@ BackendResult Observer::map(int64_t first, int64_t count) {
 }
 BackendResult Observer::unmap(int64_t first, int64_t count) {
   return round_.observe_unmap(*inner_, first, count);
+}
+
+BackendResult Observer::retire(int64_t first, int64_t count, Clock::time_point deadline) {
+  return round_.observe_unmap(*inner_, first, count, &deadline);
 }
 
 }  // namespace

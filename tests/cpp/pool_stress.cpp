@@ -104,6 +104,10 @@ class TrackingBackend final : public stress::WrappingBackend<kvasync::HostBacken
 
   BackendResult map(int64_t first, int64_t count) override { return call(true, first, count); }
   BackendResult unmap(int64_t first, int64_t count) override { return call(false, first, count); }
+  // The pool's close (Note [Views outlive close]): checked and counted as an unmap.
+  BackendResult retire(int64_t first, int64_t count, Clock::time_point deadline) override {
+    return call(false, first, count, &deadline);
+  }
 
   // Fences: device work that ends `after` from now.
   uintptr_t make_fence(Seconds after) {
@@ -187,7 +191,8 @@ class TrackingBackend final : public stress::WrappingBackend<kvasync::HostBacken
     return static_cast<int>(rng_() % 100);
   }
 
-  BackendResult call(bool mapping, int64_t first, int64_t count) {
+  BackendResult call(bool mapping, int64_t first, int64_t count,
+                     const Clock::time_point* retire_by = nullptr) {
     // Backend calls never overlap: one mapper thread, or close() once it has been joined.
     CHECK(in_call_.fetch_add(1) == 0, "two backend calls at once");
     struct Leave {
@@ -214,7 +219,9 @@ class TrackingBackend final : public stress::WrappingBackend<kvasync::HostBacken
       counts.injected++;
       return BackendResult::failure("ENOMEM: injected failure");
     }
-    BackendResult result = mapping ? inner_->map(first, count) : inner_->unmap(first, count);
+    BackendResult result = mapping     ? inner_->map(first, count)
+                           : retire_by ? inner_->retire(first, count, *retire_by)
+                                       : inner_->unmap(first, count);
     CHECK(result.ok, "the host backend failed: " + result.error);
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t p = first; p < first + count; ++p) mapped_[p] = mapping ? 1 : 0;
