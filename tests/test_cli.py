@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from click.testing import CliRunner
 
 import kvasync
 import kvasync.share
@@ -181,3 +182,24 @@ def test_ls_stays_readable_in_a_narrow_terminal():
     header = next(line for line in wide.stdout.splitlines() if "mapper op" in line)
     assert all(column in header for column in fields)
     assert name in wide.stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "--share", ""],
+        ["ls", "--json", "--share", ""],
+        ["ls", "--prune", "--share", ""],
+        ["top", "--count", "1", "--share", ""],
+        ["limit", "--share", "", "1", "8MiB"],
+        ["serve", "--share", ""],
+        ["ls", "--share", "../etc"],
+    ],
+)
+def test_every_command_taking_a_share_refuses_a_bad_name_before_any_work(args):
+    # Issue 27, defect 9: `kvasync ls --share ''` listed "0 allocator(s)" and exited 0 (and
+    # `ls --prune --share ''` went on to prune every share of the machine).
+    done = CliRunner().invoke(cli.main, args)
+    assert done.exit_code == 2, done.output
+    assert "Invalid value for '--share'" in done.output
+    assert "share must be 1-100 characters" in done.output

@@ -154,26 +154,52 @@ void init_file(LedgerFile* file) {
   if (rc != 0) throw LedgerError(std::string("ledger: pthread_mutex_init: ") + strerror(rc));
 }
 
-void validate_header(const std::string& path, const LedgerHeader& h, size_t size) {
-  const std::string remove = ": stop the processes using it and remove the file";
+const char* const kRemoveIt = ": stop the processes using it and remove the file";
+// Ledger::lock_error_ when the file is shorter than the layout (errno values are positive).
+constexpr int kLockTruncated = -1;
+
+std::string truncated_text(const std::string& path, int64_t size) {
+  return "the ledger file " + path + " is truncated (" + std::to_string(size) +
+         " bytes, expected " + std::to_string(sizeof(LedgerFile)) + ")" + kRemoveIt;
+}
+
+// The header's part of Ledger::damage(): why the header is not this kvasync's layout, or "".
+std::string header_damage(const std::string& path, const LedgerHeader& h) {
   if (h.magic != kLedgerMagic) {
-    throw LedgerError("the ledger file " + path + " is not a kvasync ledger (bad magic)" + remove);
+    return "the ledger file " + path + " is not a kvasync ledger (bad magic)" + kRemoveIt;
   }
   if (h.version != kLedgerVersion) {
-    throw LedgerError("the ledger file " + path + " has layout version " +
-                      std::to_string(h.version) + "; this kvasync uses version " +
-                      std::to_string(kLedgerVersion) + remove);
+    return "the ledger file " + path + " has layout version " + std::to_string(h.version) +
+           "; this kvasync uses version " + std::to_string(kLedgerVersion) + kRemoveIt;
   }
   if (h.header_bytes != sizeof(LedgerHeader) || h.entry_bytes != sizeof(LedgerEntry) ||
       h.num_entries != kLedgerEntries || h.file_bytes != sizeof(LedgerFile) ||
       h.check != header_check(h)) {
-    throw LedgerError("the ledger file " + path + " is corrupt (its header does not match" +
-                      " this kvasync's layout)" + remove);
+    return "the ledger file " + path + " is corrupt (its header does not match" +
+           " this kvasync's layout)" + kRemoveIt;
   }
-  if (size < sizeof(LedgerFile)) {
-    throw LedgerError("the ledger file " + path + " is truncated (" + std::to_string(size) +
-                      " bytes, expected " + std::to_string(sizeof(LedgerFile)) + ")" + remove);
+  return "";
+}
+
+// The entries' part of Ledger::damage(): an entry that is neither free (0) nor live (1), or a
+// live one with figures no member writes.
+std::string entries_damage(const LedgerFile& file) {
+  for (int slot = 0; slot < kLedgerEntries; ++slot) {
+    const LedgerEntry& e = file.entries[slot];
+    const uint32_t state = e.state.load();
+    if (state > 1) return "entry " + std::to_string(slot) + " has state " + std::to_string(state);
+    if (state == 0) continue;
+    const int32_t pid = e.pid.load();
+    const int64_t committed = e.committed_bytes.load(), page = e.page_bytes.load();
+    if (pid <= 0 || committed < 0 || e.mapped_bytes.load() < 0 || e.reserved_bytes.load() < 0 ||
+        e.used_bytes.load() < 0 || page <= 0 || e.budget_bytes.load() < 0 ||
+        e.waiters.load() < 0) {
+      return "entry " + std::to_string(slot) + " holds impossible figures (pid " +
+             std::to_string(pid) + ", committed " + std::to_string(committed) + ", page " +
+             std::to_string(page) + " bytes)";
+    }
   }
+  return "";
 }
 
 std::string user_name(uid_t uid) {
@@ -220,18 +246,21 @@ void check_access(const std::string& path, const struct stat& st, const LedgerAc
   const uid_t me = geteuid();
   std::string expected;
   bool ok = S_ISREG(st.st_mode);
+  // Exactly the documented modes (Note [Ledger access]): no bit more, no bit less.
+  const mode_t mode = st.st_mode & 07777;
   if (access.group < 0) {
-    ok = ok && st.st_uid == me && (st.st_mode & 077) == 0;
+    ok = ok && st.st_uid == me && mode == 0600;
     expected = "owned by " + user_name(me) +
-               " with no permission for group or others (0600); to share a device between "
+               ", read and write for the owner alone (mode 0600); to share a device between "
                "users, set KVASYNC_SHARE_GROUP to a group they all belong to";
   } else {
     const auto gid = static_cast<gid_t>(access.group);
     // root may own it too: it could read and change any file anyway, so trusting it grants
     // nothing; and root is how an operator creates a group's file without being in the group.
-    ok = ok && st.st_gid == gid && (st.st_mode & 007) == 0 &&
+    ok = ok && st.st_gid == gid && mode == 0660 &&
          (st.st_uid == me || st.st_uid == 0 || user_in_group(st.st_uid, gid));
-    expected = "group " + group_name(gid) + ", no permission for others (0660), owned by " +
+    expected = "group " + group_name(gid) +
+               ", read and write for the owner and the group alone (mode 0660), owned by " +
                user_name(me) + ", root or a member of that group (KVASYNC_SHARE_GROUP)";
   }
   if (ok) return;
@@ -241,6 +270,11 @@ void check_access(const std::string& path, const struct stat& st, const LedgerAc
                     mode_text(st.st_mode) + "; expected " + expected +
                     ". Remove it if nobody should be using it");
 }
+
+// Note [Ledger file identity]: the settle of the files this process creates (a test hook may
+// shorten it).
+std::atomic<int64_t> g_fresh_settle_ns{
+    std::chrono::duration_cast<std::chrono::nanoseconds>(Ledger::kFreshSettle).count()};
 
 // Creates the file complete under a temporary name, then links it into place: nobody ever maps a
 // half-initialised ledger, and of two processes creating it at once one wins, the other opens it.
@@ -269,6 +303,9 @@ void create_file(const std::string& path, const LedgerAccess& access) {
     } else {
       try {
         init_file(static_cast<LedgerFile*>(data));
+        // Note [Ledger file identity]: a fresh file settles; written before it is linked.
+        static_cast<LedgerFile*>(data)->header.settle_until_ns =
+            monotonic_ns() + g_fresh_settle_ns.load();
       } catch (const LedgerError& e) {
         error = e.what();
       }
@@ -402,6 +439,10 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create,
         now.st_ino == existing->inode_) {
       ::close(fd);
       check_access(path, now, access);  // its owner or mode may have changed since
+      // Cut short since (Note [Ledger file identity]): refused, as at a first open.
+      if (const std::string damage = existing->size_damage(); !damage.empty()) {
+        throw LedgerError(damage);
+      }
       return existing;
     }
   }
@@ -430,26 +471,25 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create,
   const size_t size = static_cast<size_t>(st.st_size);
   if (size < sizeof(LedgerHeader)) {
     ::close(fd);
-    throw LedgerError("the ledger file " + path + " is truncated (" + std::to_string(size) +
-                      " bytes, expected " + std::to_string(sizeof(LedgerFile)) +
-                      "): stop the processes using it and remove the file");
+    throw LedgerError(truncated_text(path, st.st_size));
   }
-  // Map only what the file holds, so that reading a short file cannot fault.
-  const size_t mapped = std::min(size, sizeof(LedgerFile));
   void* data = mmap(nullptr, sizeof(LedgerFile), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int map_error = errno;
-  ::close(fd);
   if (data == MAP_FAILED) {
+    ::close(fd);
     throw LedgerError("cannot map the ledger file " + path + ": " + strerror(map_error));
   }
   auto* file = static_cast<LedgerFile*>(data);
-  try {
-    validate_header(path, file->header, mapped);
-  } catch (...) {
+  // The header first (it lies within the size checked), then the size: a short file is refused
+  // before anything past its end is read. The entries are checked under the lock, by each user.
+  std::string damage = header_damage(path, file->header);
+  if (damage.empty() && size < sizeof(LedgerFile)) damage = truncated_text(path, st.st_size);
+  if (!damage.empty()) {
     munmap(data, sizeof(LedgerFile));
-    throw;
+    ::close(fd);
+    throw LedgerError(damage);
   }
-  std::shared_ptr<Ledger> ledger(new Ledger(path, file));
+  std::shared_ptr<Ledger> ledger(new Ledger(path, file, fd));
   ledger->access_ = access;
   ledger->device_ = st.st_dev;
   ledger->inode_ = st.st_ino;
@@ -457,9 +497,13 @@ std::shared_ptr<Ledger> Ledger::open(const std::string& path, bool create,
   return ledger;
 }
 
-Ledger::Ledger(std::string path, LedgerFile* file) : path_(std::move(path)), file_(file) {}
+Ledger::Ledger(std::string path, LedgerFile* file, int fd)
+    : path_(std::move(path)), file_(file), fd_(fd) {}
 
-Ledger::~Ledger() { munmap(file_, sizeof(LedgerFile)); }
+Ledger::~Ledger() {
+  munmap(file_, sizeof(LedgerFile));
+  ::close(fd_);
+}
 
 bool Ledger::still_linked() const {
   struct stat st;
@@ -467,10 +511,53 @@ bool Ledger::still_linked() const {
          st.st_nlink > 0;
 }
 
+std::string Ledger::size_damage() const {
+  struct stat st;
+  if (fstat(fd_, &st) != 0) {
+    return "cannot stat the ledger file " + path_ + ": " + strerror(errno);
+  }
+  if (st.st_size < static_cast<off_t>(sizeof(LedgerFile))) return truncated_text(path_, st.st_size);
+  return "";
+}
+
+std::string Ledger::damage() const {
+  // Note [Share ledger], Invariants: the one check of whether the file can be used. The size
+  // first: past it, reading the header or the entries would fault.
+  std::string why = size_damage();
+  if (why.empty()) why = header_damage(path_, file_->header);
+  if (!why.empty()) return why;
+  why = entries_damage(*file_);
+  return why.empty() ? why : "the ledger file " + path_ + " is corrupt: " + why + kRemoveIt;
+}
+
+bool Ledger::settling(Clock::time_point now) const {
+  return now < settled_at();
+}
+
+Ledger::Clock::time_point Ledger::settled_at() const {
+  // steady_clock is CLOCK_MONOTONIC (to_timespec). A settle end further away than a settle from
+  // now (another clock, or damage) is not waited for: a settle never stalls a share.
+  const int64_t until = file_->header.settle_until_ns;
+  const int64_t now = monotonic_ns();
+  const int64_t longest = std::chrono::nanoseconds(kFreshSettle + std::chrono::seconds(1)).count();
+  if (until <= now || until - now > longest) return Clock::time_point{};
+  return Clock::now() + std::chrono::nanoseconds(until - now);
+}
+
+void Ledger::set_fresh_settle_for_test(std::chrono::nanoseconds settle) {
+  g_fresh_settle_ns.store(settle.count());
+}
+
 bool Ledger::lock(Clock::time_point deadline) noexcept {
   const timespec until = to_timespec(deadline);
   if (until.tv_sec < 0 || until.tv_nsec < 0 || until.tv_nsec >= 1000000000) {
     return false;  // a deadline that is no time at all: the caller's error, not the lock's
+  }
+  // Note [Ledger file identity]: the lock lies in the file; a file cut short would fault here.
+  struct stat st;
+  if (fstat(fd_, &st) == 0 && st.st_size < static_cast<off_t>(sizeof(LedgerFile))) {
+    lock_error_.store(kLockTruncated);
+    return false;
   }
 #if defined(__SANITIZE_THREAD__)
   __tsan_mutex_pre_lock(&file_->header.mutex, __tsan_mutex_try_lock);
@@ -503,6 +590,7 @@ bool Ledger::lock(Clock::time_point deadline) noexcept {
 
 std::string Ledger::lock_failure(double timeout_s) const {
   const int error = lock_error_.load();
+  if (error == kLockTruncated) return size_damage();
   if (error != 0) {
     return "the ledger lock of " + path_ + " is unusable (" + strerror(error) +
            "): stop the processes using it and remove the file";
@@ -543,7 +631,8 @@ int Ledger::reclaim_dead_locked() {
   const int64_t stale_ns =
       std::chrono::duration_cast<std::chrono::nanoseconds>(ShareMember::kForeignStaleAfter).count();
   for (LedgerEntry& e : file_->entries) {
-    if (e.state.load() == 0) continue;
+    // Only live entries: another state is damage (Ledger::damage()), reported, never repaired.
+    if (e.state.load() != 1) continue;
     const int32_t pid = e.pid.load();
     if (e.pid_ns.load() != self.pid_ns) {
       // Another pid namespace (another container): its pid means nothing here, its heartbeat does.
@@ -577,6 +666,8 @@ int64_t Ledger::budget_locked() const {
 }
 
 bool Ledger::remove_if_unused_locked() {
+  // A damaged file is kept, as prune keeps it: the operator removes it, as its error says.
+  if (!damage().empty()) return false;
   for (const LedgerEntry& e : file_->entries) {
     if (e.state.load() != 0) return false;
   }
@@ -588,6 +679,10 @@ bool Ledger::remove_if_unused_locked() {
 bool Ledger::prune(double timeout_s) {
   check_timeout(timeout_s);
   if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  if (const std::string damage = this->damage(); !damage.empty()) {
+    unlock();
+    throw LedgerError(damage);
+  }
   reclaim_dead_locked();
   const bool removed = remove_if_unused_locked();
   unlock();
@@ -597,16 +692,17 @@ bool Ledger::prune(double timeout_s) {
 std::vector<EntryView> Ledger::snapshot(double timeout_s) {
   check_timeout(timeout_s);
   if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  if (const std::string damage = this->damage(); !damage.empty()) {
+    unlock();
+    throw LedgerError(damage);
+  }
   std::vector<EntryView> out;
-  std::string corrupt;
   reclaim_dead_locked();
   const int64_t now = monotonic_ns();
   const uint64_t own_ns = self_identity().pid_ns;
-  for (int slot = 0; slot < kLedgerEntries && corrupt.empty(); ++slot) {
+  for (int slot = 0; slot < kLedgerEntries; ++slot) {
     LedgerEntry& e = file_->entries[slot];
-    const uint32_t state = e.state.load();
-    if (state > 1) corrupt = "entry " + std::to_string(slot) + " has state " + std::to_string(state);
-    if (state != 1) continue;
+    if (e.state.load() != 1) continue;
     EntryView v;
     v.slot = slot;
     v.pid = e.pid.load();
@@ -634,25 +730,19 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
       v.op_age_s = started > 0 ? std::max<int64_t>(0, now - started) / 1e9 : 0.0;
       if (before % 2 == 0 && e.op_generation.load(std::memory_order_acquire) == before) break;
     }
-    if (v.pid <= 0 || v.committed_bytes < 0 || v.mapped_bytes < 0 || v.reserved_bytes < 0 ||
-        v.used_bytes < 0 || v.page_bytes <= 0 || v.budget_bytes < 0 || v.waiters < 0) {
-      corrupt = "entry " + std::to_string(slot) + " holds impossible figures (pid " +
-                std::to_string(v.pid) + ", committed " + std::to_string(v.committed_bytes) +
-                ", page " + std::to_string(v.page_bytes) + " bytes)";
-    }
     out.push_back(std::move(v));
   }
   unlock();
-  if (!corrupt.empty()) {
-    throw LedgerError("the ledger file " + path_ + " is corrupt: " + corrupt +
-                      ": stop the processes using it and remove the file");
-  }
   return out;
 }
 
 int Ledger::set_limit(int32_t pid, int64_t bytes, double timeout_s) {
   check_timeout(timeout_s);
   if (!lock(after(timeout_s))) throw LedgerError(lock_failure(timeout_s));
+  if (const std::string damage = this->damage(); !damage.empty()) {
+    unlock();
+    throw LedgerError(damage);
+  }
   reclaim_dead_locked();
   int count = 0;
   std::string too_small;
@@ -704,7 +794,13 @@ bool Ledger::hold_lock_for(double seconds) {
 
 ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name,
                          int64_t budget_bytes, int64_t page_bytes)
-    : ledger_(std::move(ledger)), page_bytes_(page_bytes) {
+    : path_(ledger->path()),
+      access_(ledger->access()),
+      name_(name),
+      budget_bytes_(budget_bytes),
+      pid_(getpid()),
+      page_bytes_(page_bytes),
+      ledger_(std::move(ledger)) {
   if (page_bytes <= 0) throw std::invalid_argument("page_bytes must be positive");
   if (budget_bytes < 0) throw std::invalid_argument("device_budget must not be negative");
   // The last member to leave removes the file under the lock (Note [Share ledger]): a file found
@@ -724,45 +820,56 @@ ShareMember::ShareMember(std::shared_ptr<Ledger> ledger, const std::string& name
     }
     ledger_ = Ledger::open(ledger_->path(), true, ledger_->access());
   }
-  ledger_->reclaim_dead_locked();
-  for (int slot = 0; slot < kLedgerEntries; ++slot) {
-    if (ledger_->file().entries[slot].state.load() == 0) {
-      slot_ = slot;
-      break;
-    }
+  // The one check every user of the file applies (Note [Share ledger], Invariants).
+  if (const std::string damage = ledger_->damage(); !damage.empty()) {
+    ledger_->unlock();
+    throw LedgerError("cannot join the share: " + damage);
   }
-  if (slot_ < 0) {
+  ledger_->reclaim_dead_locked();
+  int slot = -1;
+  for (int i = 0; i < kLedgerEntries && slot < 0; ++i) {
+    if (ledger_->file().entries[i].state.load() == 0) slot = i;
+  }
+  if (slot < 0) {
     ledger_->unlock();
     throw LedgerError("the ledger " + ledger_->path() + " is full (" +
                       std::to_string(kLedgerEntries) + " allocators)");
   }
-  LedgerEntry& e = entry();
+  {
+    std::lock_guard<std::mutex> guard(mutex_);  // no other thread yet: take_entry_locked's contract
+    take_entry_locked(*ledger_, slot, 0, 0);
+  }
+  ledger_->unlock();
+}
+
+void ShareMember::take_entry_locked(Ledger& ledger, int slot, int64_t committed_bytes,
+                                    int64_t demand_bytes) {
+  LedgerEntry& e = ledger.file().entries[slot];
   const Identity& self = self_identity();
-  serial_ = ledger_->file().header.next_serial.fetch_add(1) + 1;
-  pid_ = self.pid;
+  serial_ = ledger.file().header.next_serial.fetch_add(1) + 1;
+  slot_ = slot;
   generation_ = e.generation.fetch_add(1, std::memory_order_acq_rel) + 1;
   e.pid.store(self.pid);
   e.start_time.store(self.start_time);
   e.pid_ns.store(self.pid_ns);
   e.heartbeat_ns.store(monotonic_ns());
   e.serial.store(serial_);
-  copy_text(e.name, sizeof e.name, name);
-  e.committed_bytes.store(0);
+  copy_text(e.name, sizeof e.name, name_);
+  e.committed_bytes.store(committed_bytes);
   e.mapped_bytes.store(0);
   e.reserved_bytes.store(0);
   e.used_bytes.store(0);
   e.limit_bytes.store(0);
-  e.page_bytes.store(page_bytes);
-  e.budget_bytes.store(budget_bytes);
+  e.page_bytes.store(page_bytes_);
+  e.budget_bytes.store(budget_bytes_);
   e.waiters.store(0);
   e.blocked.store(0);
   e.requested_limit.store(-1);
-  e.demand_bytes.store(0);
+  e.demand_bytes.store(demand_bytes);
   seen_limit_generation_ = e.limit_generation.load();
   e.op_started_ns.store(0);
   store_op(e.op, sizeof e.op, "");
   e.state.store(1, std::memory_order_release);  // last: the entry is whole before it counts
-  ledger_->unlock();
 }
 
 ShareMember::~ShareMember() {
@@ -773,8 +880,30 @@ ShareMember::~ShareMember() {
 }
 
 bool ShareMember::owns_entry() const {
-  return !left_ && getpid() == pid_ &&
+  // A forked child never takes mutex_: a thread of the parent may have held it at the fork.
+  if (getpid() != pid_) return false;
+  std::lock_guard<std::mutex> guard(mutex_);
+  return owns_entry_locked();
+}
+
+bool ShareMember::owns_entry_locked() const {
+  return !left_ && ledger_ && getpid() == pid_ &&
          entry().generation.load(std::memory_order_acquire) == generation_;
+}
+
+std::string ShareMember::trouble() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return trouble_;
+}
+
+void ShareMember::set_trouble(const std::string& why) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  trouble_ = why;
+}
+
+void ShareMember::notify() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (ledger_) ledger_->notify();
 }
 
 void ShareMember::start(std::weak_ptr<PagePool> pool) {
@@ -785,11 +914,14 @@ void ShareMember::stop(double timeout_s) {
   stopping_ = true;
   if (getpid() != pid_) {
     // A forked child: the watcher is the parent's (it never existed here), and so is the entry.
+    // Not under mutex_ (a thread of the parent may have held it at the fork): this copy has no
+    // watcher, so nothing re-registers.
     if (thread_.joinable()) thread_.detach();
     left_ = true;
     return;
   }
-  ledger_->notify();
+  wake_.notify();  // a watcher that holds no file sleeps on it
+  notify();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
     if (exited_.wait_for(std::chrono::duration<double>(std::max(timeout_s, 0.5)))) {
       thread_.join();
@@ -801,15 +933,32 @@ void ShareMember::stop(double timeout_s) {
 }
 
 void ShareMember::leave() {
-  if (left_.exchange(true)) return;
-  // A forked child's copy: the entry is the parent's, which still uses it.
-  if (getpid() != pid_) return;
-  LedgerEntry& e = entry();
+  // A forked child's copy: the entry is the parent's, which still uses it (and mutex_ may have
+  // been held by a thread of the parent at the fork).
+  if (getpid() != pid_) {
+    left_ = true;
+    return;
+  }
+  std::shared_ptr<Ledger> ledger;
+  int slot = -1;
+  uint32_t generation = 0;
+  {
+    // Under mutex_: a re-registration in flight sees left_ and abandons (Note [Ledger file
+    // identity]), so no entry is taken after this one is freed.
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (left_.exchange(true)) return;
+    if (!ledger_) return;  // no file held (it was truncated): nothing to free
+    ledger = ledger_;
+    slot = slot_;
+    generation = generation_;
+  }
+  LedgerEntry& e = ledger->file().entries[slot];
   // Without the lock if it stays taken: clearing its own entry is atomic stores, and a slot
   // freed under a lock holder's scan is at worst reclaimed twice.
-  const bool locked = ledger_->lock(Clock::now() + kLeaveLockTimeout);
+  const bool locked = ledger->lock(Clock::now() + kLeaveLockTimeout);
+  if (!locked && !ledger->size_damage().empty()) return;  // cut short: touch nothing
   // An entry reclaimed meanwhile (its slot perhaps a newcomer's now) is not this member's to clear.
-  if (e.generation.load(std::memory_order_acquire) == generation_) {
+  if (e.generation.load(std::memory_order_acquire) == generation) {
     e.committed_bytes.store(0);
     e.blocked.store(0);
     e.waiters.store(0);
@@ -820,26 +969,69 @@ void ShareMember::leave() {
   // The last member out removes the file (Note [Share ledger]); only under the lock, so that a
   // joiner cannot take an entry in a file that is being removed.
   if (locked) {
-    ledger_->remove_if_unused_locked();
-    ledger_->unlock();
+    ledger->remove_if_unused_locked();
+    ledger->unlock();
   }
-  ledger_->notify();
+  ledger->notify();
 }
 
 ShareMember::Grant ShareMember::grant(int64_t pages, bool refill,
                                       Clock::time_point lock_deadline) noexcept {
   Grant out;
-  if (pages <= 0 || !owns_entry()) return out;  // a forked child, or an entry lost: no charge
-  if (!ledger_->lock(lock_deadline)) {
+  if (pages <= 0 || getpid() != pid_) return out;  // a forked child: no charge, no mutex_
+  std::shared_ptr<Ledger> ledger;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (!ledger_ && !left_) {
+      out.held = true;  // no file held (truncated): trouble_ says why; the watcher re-registers
+      return out;
+    }
+    if (!owns_entry_locked()) return out;  // a forked child, or an entry lost: no charge
+    ledger = ledger_;
+  }
+  // mutex_ is not held while the ledger's lock is waited for (lock order: Ledger lock -> mutex_).
+  if (!ledger->lock(lock_deadline)) {
+    if (std::string cut = ledger->size_damage(); !cut.empty()) {
+      set_trouble(cut);
+      wake_.notify();  // the watcher lets go of it now
+      out.held = true;
+      return out;
+    }
     out.lock_busy = true;  // not a shortage of budget: the caller plans again later
-    out.holder_pid = ledger_->holder_pid();
+    out.holder_pid = ledger->holder_pid();
     return out;
   }
-  ledger_->reclaim_dead_locked();
-  if (!owns_entry()) {  // reclaimed just now: its slot is not this member's to charge
-    ledger_->unlock();
+  // Note [Ledger file identity]: never a charge in a file that is not the one at the path, that
+  // is damaged (the one check of Note [Share ledger]), or that is fresh and settling.
+  std::string why;
+  const bool moved = !ledger->still_linked();
+  if (moved) {
+    why = "the ledger file " + path_ +
+          " was removed or replaced under this allocator: re-registering its pages into the "
+          "file now at the path";
+  } else if (std::string damage = ledger->damage(); !damage.empty()) {
+    why = "cannot charge the share: " + damage;
+  } else if (ledger->settling(Clock::now())) {
+    why = "the share's ledger file " + path_ + " is fresh: no map is granted in its first " +
+          std::to_string(std::chrono::milliseconds(Ledger::kFreshSettle).count()) +
+          " ms, so that members of a removed file re-register their pages first";
+  }
+  if (!why.empty()) {
+    ledger->unlock();
+    set_trouble(why);
+    if (moved) ledger->notify();  // every watcher of the old file, this one's too: notice now
+    out.held = true;
     return out;
   }
+  ledger->reclaim_dead_locked();
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (ledger_ != ledger || !owns_entry_locked()) {
+    // Reclaimed just now (its slot is not this member's to charge), or re-registered meanwhile.
+    ledger->unlock();
+    out.held = ledger_ != ledger;
+    return out;
+  }
+  trouble_.clear();
   ShareReading r;
   read_share(ledger_->file(), &entry(), r);
   if (!r.has_budget()) {
@@ -863,35 +1055,45 @@ ShareMember::Grant ShareMember::grant(int64_t pages, bool refill,
     out.granted = std::clamp<int64_t>(headroom / page_bytes_, 0, pages);
   }
   entry().committed_bytes.fetch_add(out.granted * page_bytes_);
-  ledger_->unlock();
+  charged_pages_ += out.granted;
+  ledger->unlock();
   return out;
 }
 
 void ShareMember::release(int64_t pages) {
-  // Lock-free, so a reclaim may land between the check and the subtraction; a reclaim needs its
-  // owner thought dead (pid gone, or a heartbeat kForeignStaleAfter old), which a member that is
-  // releasing is not.
-  if (pages > 0 && owns_entry()) entry().committed_bytes.fetch_sub(pages * page_bytes_);
+  // Without the ledger's lock, so a reclaim may land between the check and the subtraction; a
+  // reclaim needs its owner thought dead (pid gone, or a heartbeat kForeignStaleAfter old), which
+  // a member that is releasing is not. Under mutex_: a re-registration carries charged_pages_.
+  if (pages <= 0) return;
+  std::lock_guard<std::mutex> guard(mutex_);
+  charged_pages_ = std::max<int64_t>(0, charged_pages_ - pages);
+  if (owns_entry_locked()) entry().committed_bytes.fetch_sub(pages * page_bytes_);
 }
 
 void ShareMember::set_blocked(int64_t waiters) {
-  if (!owns_entry()) return;
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!owns_entry_locked()) return;
   const int64_t before = entry().blocked.exchange(waiters);
   // Newly short of budget: wake the others now, so that they give back their reserves.
   if (before == 0 && waiters > 0) ledger_->notify();
 }
 
-bool ShareMember::blocked() const { return owns_entry() && entry().blocked.load() > 0; }
+bool ShareMember::blocked() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return owns_entry_locked() && entry().blocked.load() > 0;
+}
 
 bool ShareMember::set_demand(int64_t pages) {
-  if (!owns_entry()) return false;
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!owns_entry_locked()) return false;
   const int64_t bytes = std::max<int64_t>(0, pages) * page_bytes_;
   return entry().demand_bytes.exchange(bytes, std::memory_order_relaxed) != bytes;
 }
 
 ShareMember::Fair ShareMember::fair_share() const {
   Fair out;
-  if (!owns_entry()) return out;
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!owns_entry_locked()) return out;
   ShareReading r;
   read_share(ledger_->file(), &entry(), r);
   if (!r.has_budget() || r.self < 0) return out;
@@ -905,9 +1107,11 @@ ShareMember::Fair ShareMember::fair_share() const {
 }
 
 int64_t ShareMember::room_pages() const {
+  std::lock_guard<std::mutex> guard(mutex_);
   if (left_) return INT64_MAX;
+  if (!ledger_) return 0;  // no file held: nothing can be granted (Note [Ledger file identity])
   ShareReading r;
-  read_share(ledger_->file(), owns_entry() ? &entry() : nullptr, r);
+  read_share(ledger_->file(), owns_entry_locked() ? &entry() : nullptr, r);
   if (!r.has_budget()) return INT64_MAX;
   if (r.self < 0) return 0;  // nothing can be granted without an entry
   const int64_t headroom = r.budget - r.committed - r.others_unmet();
@@ -918,28 +1122,32 @@ int64_t ShareMember::room_pages() const {
 }
 
 int64_t ShareMember::budget_pages() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!ledger_) return INT64_MAX;  // no file held: the budget is not known
   const int64_t budget = ledger_->budget_locked();  // atomics only: safe without the lock
   return budget == INT64_MAX ? INT64_MAX : budget / page_bytes_;
 }
 
 std::string ShareMember::describe_budget() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!ledger_) return trouble_;  // no file held (Note [Ledger file identity])
   std::ostringstream out;
   if (getpid() != pid_) {
     out << "this allocator was opened by process " << pid_
         << " before a fork(); it cannot map in this child: open a new allocator here ("
-        << ledger_->path() << ")";
+        << path_ << ")";
     return out.str();
   }
-  if (!owns_entry() && !left_) {
+  if (!owns_entry_locked() && !left_) {
     out << "this allocator's ledger entry was reclaimed (it was taken for dead): it cannot map "
-        << "any more; close it and open a new one (" << ledger_->path() << ")";
+        << "any more; close it and open a new one (" << path_ << ")";
     return out.str();
   }
   // What holds the budget, as the grants see it (atomics, without the lock): committed by whom,
   // kept for whom (Note [Fair share under pressure]: the unmet entitlement of the others), and
   // free. "Taken" only when nothing is free.
   ShareReading r;
-  read_share(ledger_->file(), owns_entry() ? &entry() : nullptr, r);
+  read_share(ledger_->file(), owns_entry_locked() ? &entry() : nullptr, r);
   if (!r.has_budget()) {
     out << "the share has no device budget (" << ledger_->path() << ")";
     return out.str();
@@ -1011,7 +1219,8 @@ std::string ShareMember::describe_budget() const {
 
 void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit,
                           int64_t waiters, const std::string& op, double op_age_s) {
-  if (stopping_ || !owns_entry()) return;
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (stopping_ || !owns_entry_locked()) return;
   LedgerEntry& e = entry();
   e.heartbeat_ns.store(monotonic_ns(), std::memory_order_relaxed);
   e.mapped_bytes.store(mapped, std::memory_order_relaxed);
@@ -1028,25 +1237,132 @@ void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_
 }
 
 int64_t ShareMember::take_requested_limit() {
-  if (!owns_entry()) return -1;
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (!owns_entry_locked()) return -1;
   const uint32_t generation = entry().limit_generation.load(std::memory_order_acquire);
   if (generation == seen_limit_generation_) return -1;
   seen_limit_generation_ = generation;
   return entry().requested_limit.load();
 }
 
+std::shared_ptr<Ledger> ShareMember::check_file() {
+  std::shared_ptr<Ledger> held;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (left_) return ledger_;
+    held = ledger_;
+  }
+  if (held) {
+    // The size first: a file cut short is let go of untouched (its mapping is unmapped when the
+    // last holder drops it), and charged nothing more.
+    if (const std::string cut = held->size_damage(); !cut.empty()) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (ledger_ == held) {
+        ledger_.reset();
+        slot_ = -1;
+        trouble_ = cut + " (this allocator let go of it: it maps nothing more until the file at "
+                   "the path can be used)";
+      }
+      return nullptr;
+    }
+    if (held->still_linked()) return held;
+  }
+  reregister(held);
+  std::lock_guard<std::mutex> guard(mutex_);
+  return ledger_;
+}
+
+void ShareMember::reregister(const std::shared_ptr<Ledger>& old) {
+  // Note [Ledger file identity]: the file at the path, created when absent.
+  const std::string failed = "cannot re-register this allocator's pages into the ledger file " +
+                             path_ + " (its file was removed, replaced or truncated): ";
+  const std::string until = " (it maps nothing until it can; it tries again every " +
+                            std::to_string(std::chrono::milliseconds(kTick).count()) + " ms)";
+  std::shared_ptr<Ledger> fresh;
+  try {
+    fresh = Ledger::open(path_, true, access_);
+  } catch (const std::exception& e) {
+    set_trouble(failed + e.what() + until);
+    return;
+  }
+  if (fresh == old) return;  // linked again meanwhile: the same file
+  if (!fresh->lock(Clock::now() + Ledger::kLockTimeout)) {
+    set_trouble(failed + fresh->lock_failure(
+                             std::chrono::duration<double>(Ledger::kLockTimeout).count()) + until);
+    return;
+  }
+  std::string why = fresh->damage();
+  int slot = -1;
+  if (why.empty()) {
+    fresh->reclaim_dead_locked();
+    for (int i = 0; i < kLedgerEntries && slot < 0; ++i) {
+      if (fresh->file().entries[i].state.load() == 0) slot = i;
+    }
+    if (slot < 0) why = "it is full (" + std::to_string(kLedgerEntries) + " allocators)";
+  }
+  std::shared_ptr<Ledger> previous;
+  int old_slot = -1;
+  uint32_t old_generation = 0;
+  bool stopped = false;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);  // lock order: Ledger lock -> mutex_
+    stopped = left_ || stopping_;
+    if (why.empty() && !stopped) {
+      // Its pages and its demand go with it; the old entry is freed only once this one is live.
+      const bool owned = owns_entry_locked();
+      const int64_t demand = owned ? entry().demand_bytes.load() : 0;
+      if (owned) {
+        previous = ledger_;
+        old_slot = slot_;
+        old_generation = generation_;
+      }
+      take_entry_locked(*fresh, slot, charged_pages_ * page_bytes_, demand);
+      ledger_ = fresh;
+      trouble_.clear();
+    }
+  }
+  if (stopped) fresh->remove_if_unused_locked();  // made for a member that left: nobody's
+  fresh->unlock();
+  if (!why.empty()) {
+    set_trouble(failed + why + until);
+    return;
+  }
+  if (stopped) return;
+  fresh->notify();  // the others: these pages are charged here now
+  if (!previous) return;
+  LedgerEntry& e = previous->file().entries[old_slot];
+  const bool locked = previous->lock(Clock::now() + kLeaveLockTimeout);
+  if (e.generation.load(std::memory_order_acquire) == old_generation) {
+    e.committed_bytes.store(0);
+    e.blocked.store(0);
+    e.waiters.store(0);
+    e.demand_bytes.store(0);
+    e.generation.fetch_add(1, std::memory_order_acq_rel);
+    e.state.store(0, std::memory_order_release);
+  }
+  if (locked) previous->unlock();
+  previous->notify();  // the members still in the old file: look at the path now
+}
+
 void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool> weak) {
   auto last_reclaim = Clock::now();
   while (!self->stopping_.load()) {
-    const uint32_t seen = self->ledger_->seq();
-    // Liveness for readers in other pid namespaces (Note [Share ledger]).
-    if (self->owns_entry()) self->entry().heartbeat_ns.store(monotonic_ns());
-    if (Clock::now() - last_reclaim >= kReclaimEvery) {
-      // Dead processes' shares come back within kReclaimEvery + kTick even when nobody maps.
-      last_reclaim = Clock::now();
-      if (self->ledger_->lock(Clock::now() + Ledger::kLockTimeout)) {
-        self->ledger_->reclaim_dead_locked();
-        self->ledger_->unlock();
+    // Note [Ledger file identity]: before this tick's first touch of the file.
+    const std::shared_ptr<Ledger> ledger = self->check_file();
+    const uint32_t seen = ledger ? ledger->seq() : 0;
+    if (ledger) {
+      {
+        // Liveness for readers in other pid namespaces (Note [Share ledger]).
+        std::lock_guard<std::mutex> guard(self->mutex_);
+        if (self->owns_entry_locked()) self->entry().heartbeat_ns.store(monotonic_ns());
+      }
+      if (Clock::now() - last_reclaim >= kReclaimEvery) {
+        // Dead processes' shares come back within kReclaimEvery + kTick even when nobody maps.
+        last_reclaim = Clock::now();
+        if (ledger->lock(Clock::now() + Ledger::kLockTimeout)) {
+          ledger->reclaim_dead_locked();
+          ledger->unlock();
+        }
       }
     }
     {
@@ -1059,7 +1375,20 @@ void ShareMember::run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool>
       }
     }
     if (self->stopping_.load()) break;
-    self->ledger_->wait(seen, kTick);
+    if (!ledger) {
+      self->wake_.wait_for(kTick);
+      continue;
+    }
+    // A fresh file's maps are planned again as soon as it has settled, not a tick later.
+    const Clock::time_point now = Clock::now();
+    auto timeout = std::chrono::duration_cast<std::chrono::nanoseconds>(kTick);
+    if (ledger->settling(now)) {
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          ledger->settled_at() - now);
+      timeout = std::clamp<std::chrono::nanoseconds>(left + std::chrono::milliseconds(1),
+                                                     std::chrono::milliseconds(1), timeout);
+    }
+    ledger->wait(seen, timeout);
   }
   self->exited_.notify();
 }

@@ -135,6 +135,8 @@
 // Stale files: the last member to leave removes the file, under the lock; a joiner that got the
 // lock of a file no longer at its path (st_nlink 0 or another inode) opens the path anew.
 // `kvasync ls --prune` removes the files of shares whose members are all dead (Ledger::prune).
+// A file removed under live members (an operator's rm, systemd's RemoveIPC): Note [Ledger file
+// identity].
 //
 // The lock is a robust process-shared mutex, always taken with a deadline (pthread_mutex_clocklock
 // on CLOCK_MONOTONIC; a deadline far away saturates, and a caller's timeout that is negative or
@@ -148,20 +150,74 @@
 //   - Every figure is an std::atomic that is always lock-free (address-free across processes).
 //   - The layout carries a magic, a version, its sizes and a check word; a file that does not
 //     match is refused with a LedgerError (KVAsyncError in Python), never used.
+//   - One check decides whether a file can be used (Ledger::damage(): its size, its header, and
+//     every entry's state, 0 or 1, and a live entry's figures), and every user applies it: open
+//     (size and header, before the lock is touched), joining, re-registering, every grant,
+//     snapshot (so `kvasync ls` and `top`), set_limit and prune. A file refused by one is refused
+//     by all: nobody joins or charges a file that `ls` calls corrupt, and prune keeps it (the
+//     error says to remove it). Reclaiming frees live entries (state 1) only: an entry of another
+//     state is damage to report, not a dead member to repair silently.
 //
 // Note [Ledger access]
 // ~~~~~~~~~~~~~~~~~~~~~
 // By default a share is one user's: the file must be a regular file owned by the effective user,
-// with no permission for group or others (created 0600). To share a device between users, each
-// sets KVASYNC_SHARE_GROUP=<group> (LedgerAccess::group): the file is created with that group and
-// mode 0660, and accepted when its group is that one, others have no permission, and its owner is
+// of mode 0600 exactly (created so). To share a device between users, each sets
+// KVASYNC_SHARE_GROUP=<group> (LedgerAccess::group): the file is created with that group and
+// mode 0660, and accepted when its group is that one, its mode is 0660 exactly, and its owner is
 // this user, root, or a member of the group. Anyone in the group can then read every entry and set
 // any member's limit, which is what sharing a device grants; nobody outside it can open the file.
+// Exactly: a mode the operator did not document (0400, 0700, 0640, a setuid or sticky bit) is
+// refused, naming the mode found and the one expected, as a wrong owner is.
 //
-// Limitations: a ledger file truncated *while* processes have it mapped makes their next access
-// fault (SIGBUS); a truncated or corrupt file found at open is refused cleanly.
+// Note [Ledger file identity]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Rationale: the file can be removed while members have it mapped (an operator's rm; systemd's
+// RemoveIPC cleans a user's /dev/shm at logout). The members keep the removed file, a joiner
+// finds no file at the path and creates one: two ledgers, each granting the whole budget (A held
+// 12 of 16 pages, B mapped 12 more, and nobody noticed).
 //
-// lock order: PagePool::mutex_ -> Ledger lock. Nothing waits on the pool while holding the ledger.
+// Approach: re-register, since it keeps serving. A member knows the file it holds by st_dev and
+// st_ino. Its watcher compares them with the path's (lstat) at every tick, before the tick's
+// first touch of the file, and every grant compares them under the lock before it charges. A
+// member whose file is no longer at the path charges nothing more in it (its grants wake every
+// watcher of the old file, so the others notice at once too); its watcher opens the file at the
+// path, creating it when absent, takes an entry there carrying its committed pages (and its
+// demand), then frees its entry in the old file. The budget stays whole in the file at the path.
+// A joiner cannot see the members of a removed file, so a *fresh* file grants nothing during
+// its first kFreshSettle (header.settle_until_ns): members of a removed file re-register into it
+// before any newcomer charges. Grants refused so are no shortage (nobody is marked blocked): the
+// pool plans again at its watcher's next tick (the watcher wakes at the settle's end), and a
+// waiter that times out meanwhile says why (ShareMember::trouble()).
+//
+// The bound: a member notices within one watcher tick (kTick, 100 ms) plus its scheduling delay,
+// and charges nothing in the old file from then on. Two ledgers both granting exist only when a
+// member's watcher runs more than kFreshSettle (200 ms) late, or for a grant whose identity check
+// passed in the microseconds before the rm. Either is then seen within a tick: the member
+// re-registers with its pages, the share shows past its budget, and nothing is granted until it
+// is back within it (as when a newcomer lowers the budget).
+//
+// A file at the path that cannot be used (another owner or mode, corrupt, truncated, full, its
+// lock unusable) is not joined: the member charges nothing, says why (trouble()), and tries
+// again each tick; its pages stay charged in the old file meanwhile.
+//
+// Truncation cannot be made safe, only noticed. Pages of a mapped file cut off by ftruncate fault
+// on the next access (SIGBUS), and that access can come from any thread of a member (an alloc
+// reads the budget, a release subtracts) at any moment after the truncation; catching SIGBUS
+// would need a signal handler, which a library must not install. What is done: every taker of
+// the lock checks the size (fstat, no touch) before touching the lock, and the watcher checks it
+// before each tick's first touch; a member that finds its file short lets go of it (unmaps it,
+// touches it no more) and charges nothing until the file at the path can be used again (removed,
+// it re-registers its pages into a new one); a joiner, snapshot or prune refuses it as
+// truncated. So a truncation landing while a member is idle is a clear error; one racing an
+// access kills that member with SIGBUS. Never truncate a ledger file; remove it (that is safe).
+//
+// Invariants: a member has at most one live entry in the file at the path, and its committed
+// pages (charged_pages_, kept by the member) are charged in exactly one file: the old entry is
+// freed only after the new one, carrying them, is live. The membership (ledger_, slot_,
+// generation_) changes only on the watcher's thread, under ShareMember::mutex_.
+//
+// lock order: PagePool::mutex_ -> Ledger lock -> ShareMember::mutex_ (a leaf, never held across
+// a wait). Nothing waits on the pool while holding the ledger.
 #pragma once
 
 #include <pthread.h>
@@ -170,6 +226,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -233,6 +290,11 @@ struct LedgerHeader {
   alignas(64) std::atomic<uint32_t> release_seq;  // the futex word (Note [Share ledger])
   std::atomic<uint64_t> next_serial;
   std::atomic<uint64_t> repairs;  // lock holders found dead
+  // Note [Ledger file identity]: CLOCK_MONOTONIC until which a fresh file grants nothing (its
+  // creation plus kFreshSettle), written before the file is linked into place. 0 in a file of an
+  // older writer: settled. It fits the header's padding: sizeof(LedgerHeader) is unchanged, so
+  // files of older writers of this version still open.
+  int64_t settle_until_ns;
 };
 
 struct LedgerFile {
@@ -279,9 +341,26 @@ class Ledger {
 
   const std::string& path() const { return path_; }
   const LedgerAccess& access() const { return access_; }
-  // Whether the file mapped is still the one at path() (not removed by a last member leaving).
+  // Whether the file mapped is still the one at path() (not removed by a last member leaving, an
+  // operator or systemd; not replaced): st_dev and st_ino (Note [Ledger file identity]).
   bool still_linked() const;
   LedgerFile& file() { return *file_; }
+
+  // Why the file cannot be used, or "" when it can (Note [Share ledger], Invariants): shorter
+  // than the layout (checked first, with fstat: nothing mapped is touched then), a header that
+  // does not match, an entry whose state is neither 0 nor 1, a live entry with impossible
+  // figures. Every user of the file applies this one check; the lock should be held for the
+  // entries to be read consistently. Never throws.
+  std::string damage() const;
+  // Only the size (fstat): whether touching the mapping is safe. "" when it is.
+  std::string size_damage() const;
+  // Note [Ledger file identity]: whether the file is in its first kFreshSettle after creation.
+  bool settling(Clock::time_point now) const;
+  Clock::time_point settled_at() const;
+  static constexpr auto kFreshSettle = std::chrono::milliseconds(200);
+  // Test hook: the settle of files created from now on in this process (the C++ stress harness
+  // runs rounds shorter than kFreshSettle).
+  static void set_fresh_settle_for_test(std::chrono::nanoseconds settle);
 
   // The lock, taken with a deadline. Returns false at the deadline (or when the lock is unusable:
   // lock_failure() says which). A dead holder is repaired. Never throws.
@@ -293,7 +372,7 @@ class Ledger {
   // when unknown. A hint for messages: it may have let go by the time it is read.
   int32_t holder_pid() const;
 
-  // Lock held. Frees the entries of processes that are gone; returns how many.
+  // Lock held. Frees the live entries of processes that are gone; returns how many.
   int reclaim_dead_locked();
   // The share's budget: the smallest budget of the live entries, or INT64_MAX when none has one.
   int64_t budget_locked() const;
@@ -306,9 +385,10 @@ class Ledger {
   // Only entries of the caller's pid namespace: a pid names a process only there.
   int set_limit(int32_t pid, int64_t bytes, double timeout_s);
   // Reclaims dead entries and removes the file when no live member is left; returns whether it
-  // removed it. Throws LedgerError when the lock stays taken past `timeout_s`.
+  // removed it. Throws LedgerError when the lock stays taken past `timeout_s`, or the file is
+  // damaged (damage(): it is kept, for the operator to remove).
   bool prune(double timeout_s);
-  // Lock held: removes the file when it has no live entry and is still at path().
+  // Lock held: removes the file when it has no live entry, is undamaged and is still at path().
   bool remove_if_unused_locked();
 
   void notify();  // a release: bump the futex word and wake every watcher
@@ -321,11 +401,12 @@ class Ledger {
   bool hold_lock_for(double seconds);
 
  private:
-  Ledger(std::string path, LedgerFile* file);
+  Ledger(std::string path, LedgerFile* file, int fd);
 
   std::string path_;
   LedgerAccess access_;
   LedgerFile* file_;
+  int fd_;  // kept open for fstat: the size of the file mapped (size_damage)
   uint64_t device_ = 0, inode_ = 0;  // the file mapped, to tell it from a newer one at path_
   std::atomic<int> lock_error_{0};    // the last error that made the lock unusable
 };
@@ -364,19 +445,23 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   void stop(double timeout_s);
 
   // The outcome of grant(): pages charged, and when the lock stayed taken past the caller's
-  // deadline (nothing charged), who held it (-1: unknown).
+  // deadline (nothing charged), who held it (-1: unknown). `held`: the share grants nothing now
+  // for a reason other than its budget (Note [Ledger file identity]: a fresh file settling, a
+  // file removed, replaced, truncated or damaged; trouble() says which): nothing charged, no
+  // shortage either; plan again at the watcher's next tick.
   struct Grant {
     int64_t granted = 0;
     bool lock_busy = false;
     int32_t holder_pid = 0;
+    bool held = false;
   };
   // PagePool side. Charges up to `pages` pages within the budget less what the other members are
   // entitled to and want (Note [Fair share under pressure]); a refill gets nothing while another
   // member is blocked. Waits for the ledger's lock until `lock_deadline` only (now: a try).
   // Never throws (it runs under the pool's mutex and on the mapper's thread).
   Grant grant(int64_t pages, bool refill, Clock::time_point lock_deadline) noexcept;
-  void release(int64_t pages);  // no lock: an atomic subtraction; call notify() after a batch
-  void notify() { ledger_->notify(); }
+  void release(int64_t pages);  // no ledger lock: an atomic subtraction; notify() after a batch
+  void notify();
   void set_blocked(int64_t waiters);
   bool blocked() const;
   // Publishes this member's demand (pages it wants now). Returns whether it changed; the caller
@@ -409,28 +494,54 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   // the configured limit. -1 when unchanged.
   int64_t take_requested_limit();
 
-  // Whether this process still owns the entry it joined with: false in a forked child, or once
-  // the entry was reclaimed (its owner thought dead) and its slot possibly reused.
+  // Whether this process still owns the entry it joined with: false in a forked child, once
+  // the entry was reclaimed (its owner thought dead) and its slot possibly reused, or while it
+  // holds no file (Note [Ledger file identity]: its file was truncated).
   bool owns_entry() const;
   int64_t page_bytes() const { return page_bytes_; }
-  const Ledger& ledger() const { return *ledger_; }
+  // The share's file: the same path across re-registrations.
+  const std::string& path() const { return path_; }
+  // Why this member charges nothing now for a reason other than the budget (Note [Ledger file
+  // identity]), for a waiter's timeout message; "" when none.
+  std::string trouble() const;
 
  private:
   static void run(std::shared_ptr<ShareMember> self, std::weak_ptr<PagePool> pool);
   void leave();
+  // mutex_ held. Whether the entry joined is still this member's, in the file it holds.
+  bool owns_entry_locked() const;
   LedgerEntry& entry() { return ledger_->file().entries[slot_]; }
   const LedgerEntry& entry() const { return ledger_->file().entries[slot_]; }
+  // Lock of `ledger` held, mutex_ held: fills free entry `slot` with this member's identity and
+  // figures (committed: `committed_bytes`, demand: `demand_bytes`) and makes it live.
+  void take_entry_locked(Ledger& ledger, int slot, int64_t committed_bytes, int64_t demand_bytes);
+  // The watcher's thread, before each tick's first touch of the file (Note [Ledger file
+  // identity]): lets go of a truncated file, and re-registers when the file held is no longer
+  // the one at the path. Returns the file to wait on (null: none held).
+  std::shared_ptr<Ledger> check_file();
+  void reregister(const std::shared_ptr<Ledger>& old);
+  void set_trouble(const std::string& why);
 
-  std::shared_ptr<Ledger> ledger_;
+  const std::string path_;
+  const LedgerAccess access_;
+  const std::string name_;
+  const int64_t budget_bytes_;
+  int32_t pid_ = 0;            // the process that joined
+  int64_t page_bytes_;
+  // lock order: Ledger lock -> mutex_. A leaf: held only for reads and stores of the file's
+  // atomics and of the fields below, never across a wait (Note [Ledger file identity]).
+  mutable std::mutex mutex_;
+  std::shared_ptr<Ledger> ledger_;  // null once let go of (truncated) until re-registered
   int slot_ = -1;
   uint64_t serial_ = 0;
-  int32_t pid_ = 0;            // the process that joined
   uint32_t generation_ = 0;    // the slot's generation at the join
-  int64_t page_bytes_;
   uint32_t seen_limit_generation_ = 0;
+  int64_t charged_pages_ = 0;  // charged and not yet released: carried into a new file
+  std::string trouble_;
   std::atomic<bool> stopping_{false};
-  std::atomic<bool> left_{false};
+  std::atomic<bool> left_{false};  // stored under mutex_ (a re-registration checks it there)
   Wakeup exited_;
+  Wakeup wake_;  // wakes a watcher that holds no file (nothing to FUTEX_WAIT on)
   std::thread thread_;
 };
 

@@ -508,7 +508,7 @@ std::variant<std::vector<int64_t>, int64_t> PagePool::alloc(int64_t n, double de
       throw OutOfBlocksError("alloc of " + std::to_string(n) +
                              " blocks can never fit: the whole budget of the share holds " +
                              std::to_string(budget_blocks) + " blocks (" +
-                             share_->ledger().path() + "); allocate fewer blocks at a time");
+                             share_->path() + "); allocate fewer blocks at a time");
     }
   }
   if (n > usable_blocks_ || n > limit) {
@@ -717,10 +717,14 @@ std::string PagePool::describe_wait(const Waiter& waiter) const {
     out << ", " << share_->describe_budget();
   }
   if (share_ && ledger_busy_pid_ != 0) {
-    out << ", the share's ledger lock (" << share_->ledger().path() << ") is held by "
+    out << ", the share's ledger lock (" << share_->path() << ") is held by "
         << (ledger_busy_pid_ > 0 ? "pid " + std::to_string(ledger_busy_pid_)
                                  : std::string("an unknown process"))
         << ": no budget can be charged until it lets go (is that process stopped or stuck?)";
+  }
+  // Note [Ledger file identity] in ledger.h: the share grants nothing now, and why.
+  if (share_) {
+    if (const std::string trouble = share_->trouble(); !trouble.empty()) out << ", " << trouble;
   }
   return out.str();
 }

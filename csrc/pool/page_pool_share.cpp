@@ -17,8 +17,10 @@ bool PagePool::try_charge_share(std::vector<int64_t>& pages, bool refill) {
   // Note [Budget off the caller's thread]: under mutex_, the ledger's lock is only tried.
   const ShareMember::Grant grant =
       share_->grant(static_cast<int64_t>(pages.size()), refill, Clock::now());
-  if (grant.lock_busy) {
-    ledger_busy_pid_ = grant.holder_pid != 0 ? grant.holder_pid : -1;
+  // Not granting now for another reason than the budget (a file settling, removed, damaged:
+  // Note [Ledger file identity]): as a busy lock, no shortage; the watcher's next tick plans again.
+  if (grant.lock_busy || grant.held) {
+    ledger_busy_pid_ = grant.held ? 0 : grant.holder_pid != 0 ? grant.holder_pid : -1;
     return false;
   }
   ledger_busy_pid_ = 0;
@@ -43,10 +45,11 @@ void PagePool::charge_pending(std::vector<Job>& batch) {
   if (wanted == 0) return;
   // mutex_ is not held: waiting for the ledger's lock here holds up no caller.
   const ShareMember::Grant grant = share_->grant(wanted, false, deadline);
-  const bool lock_free = !grant.lock_busy;
+  // Held (Note [Ledger file identity]) is no shortage either: nobody is marked blocked.
+  const bool lock_free = !grant.lock_busy && !grant.held;
   const int64_t got = grant.granted;
   int64_t granted = got;
-  const int32_t holder = lock_free ? 0 : (grant.holder_pid != 0 ? grant.holder_pid : -1);
+  const int32_t holder = !grant.lock_busy ? 0 : (grant.holder_pid != 0 ? grant.holder_pid : -1);
   std::lock_guard<std::mutex> lock(mutex_);
   ledger_busy_pid_ = holder;
   for (Job& job : batch) {

@@ -15,7 +15,7 @@ import click
 from . import __version__
 from ._sizes import parse_size
 
-__all__ = ["SIZE", "deprecated_memory_limit_mib", "main", "memory_limit_of"]
+__all__ = ["SHARE", "SIZE", "deprecated_memory_limit_mib", "main", "memory_limit_of"]
 
 # command name -> (module, attribute) of its click command
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -63,6 +63,27 @@ class _Size(click.ParamType):  # type: ignore[type-arg]
 
 SIZE = _Size()
 """The click type of a size option (``--memory-limit``, ``--device-budget``)."""
+
+
+class _Share(click.ParamType):  # type: ignore[type-arg]
+    """A share name as every kvasync command takes one (``kvasync._share_names.check_share``)."""
+
+    name = "share"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> str:
+        # Here, not at the top: _share_names loads the extension, which --help must not.
+        from ._share_names import check_share
+
+        try:
+            return check_share(value)
+        except (TypeError, ValueError) as error:
+            self.fail(str(error), param, ctx)
+
+
+SHARE = _Share()
+"""The click type of ``--share``: an empty or malformed name is refused before any work."""
 
 # The old ``--memory-limit-mib N`` of serve, demo and simulate, kept (hidden) so that scripts keep
 # working; memory_limit_of reads it.

@@ -34,8 +34,10 @@
 // process) with a neighbour pool of its own backend, which allocs, frees and reports demand from
 // a thread of its own; the workers report demand too, and a checker thread snapshots the ledger:
 // the committed bytes never add up past the budget. After both pools close, the ledger file is
-// gone (the last member out removes it). So the grants, the fair shares, the demand and the
-// watchers' ticks run under the sanitizers too.
+// gone (the last member out removes it). The checker removes the file now and then (an
+// operator's rm): the members re-register into a new one (Note [Ledger file identity]). So the
+// grants, the fair shares, the demand, the watchers' ticks and the re-registrations run under the
+// sanitizers too.
 // Limitations: the pool's page-level state is seen through stats(), not page by page. Running out
 // of memory (bad_alloc) inside the pool's own bookkeeping is not injected: the mapper catches it
 // (Mapper::run_batch) but the job it interrupted is left half settled. --seed repeats the
@@ -88,7 +90,7 @@ struct Counts {
       resizes{0}, timer_cancels{0}, user_cancels{0}, closes_joined{0}, closes_abandoned{0},
       fault_changes{0}, stats_checks{0}, maps{0}, unmaps{0}, injected{0}, fences{0},
       closed_errors{0}, out_of_blocks{0}, drains_seen{0}, share_rounds{0}, ledger_checks{0},
-      neighbour_ops{0}, demands{0};
+      neighbour_ops{0}, demands{0}, ledger_removals{0};
 };
 Counts counts;
 
@@ -327,7 +329,7 @@ class Round {
     threads.emplace_back([this] { chaos(rng_seed(10)); });
     if (shared_) {
       threads.emplace_back([this] { neighbour(rng_seed(20)); });
-      threads.emplace_back([this] { check_ledger(); });
+      threads.emplace_back([this] { check_ledger(rng_seed(30)); });
     }
     if (close_at >= 0) {
       threads.emplace_back([this, close_at, close_timeout, stuck] {
@@ -747,10 +749,23 @@ class Round {
     for (auto& blocks : held) neighbour_->free(blocks);
   }
 
-  // The share's budget holds at every snapshot (Note [Fair share under pressure]).
-  void check_ledger() {
+  // The share's budget holds at every snapshot (Note [Fair share under pressure]) of the file at
+  // the path. Now and then the file is removed under the members, as an operator's rm would
+  // (Note [Ledger file identity]): they re-register into a new one at the path, with their pages.
+  void check_ledger(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::shared_ptr<kvasync::Ledger> ledger = ledger_;
     while (!stop_) {
-      const std::vector<kvasync::EntryView> entries = ledger_->snapshot(kIdleBound);
+      if (rng() % 150 == 0 && unlink(ledger_path_.c_str()) == 0) counts.ledger_removals++;
+      if (!ledger->still_linked()) {
+        try {
+          ledger = kvasync::Ledger::open(ledger_path_, false);
+        } catch (const kvasync::LedgerError&) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));  // not made anew yet
+          continue;
+        }
+      }
+      const std::vector<kvasync::EntryView> entries = ledger->snapshot(kIdleBound);
       int64_t committed = 0;
       for (const kvasync::EntryView& e : entries) committed += e.committed_bytes;
       CHECK(committed <= budget_, "the share committed " + std::to_string(committed) +
@@ -918,6 +933,9 @@ int main(int argc, char** argv) {
   double seconds = 10.0;
   uint64_t seed = 7;
   stress::parse_args(argc, argv, seconds, seed);
+  // Note [Ledger file identity]: a fresh ledger grants nothing for kFreshSettle (200 ms), most
+  // of a round here; 20 ms keeps the share rounds' grants under the sanitizers, settle and all.
+  kvasync::Ledger::set_fresh_settle_for_test(std::chrono::milliseconds(20));
   const auto start = Clock::now();
   const auto end = start + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
   std::mt19937_64 rng(seed);
@@ -953,8 +971,8 @@ int main(int argc, char** argv) {
               counts.fault_changes.load(), counts.stats_checks.load());
   std::printf("  drains seen by the scheduler's view: %" PRId64 "\n", counts.drains_seen.load());
   std::printf("  share rounds: %" PRId64 ", %" PRId64 " ledger checks, %" PRId64
-              " neighbour ops, %" PRId64 " demand reports\n",
+              " neighbour ops, %" PRId64 " demand reports, %" PRId64 " ledger files removed\n",
               counts.share_rounds.load(), counts.ledger_checks.load(),
-              counts.neighbour_ops.load(), counts.demands.load());
+              counts.neighbour_ops.load(), counts.demands.load(), counts.ledger_removals.load());
   return 0;
 }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from ..cli import SHARE as _SHARE
 from ..cli import SIZE as _SIZE
 from ..cli import deprecated_memory_limit_mib as _DEPRECATED_MIB
 from ..cli import memory_limit_of as _memory_limit
@@ -44,6 +45,7 @@ _DEMO_LIMIT = 2 << 20  # below the demo burst's peak demand, so the engine preem
 @click.option(
     "--share",
     default=None,
+    type=_SHARE,
     help="co-location: share one device budget with the other engines that name this share.",
 )
 @click.option(

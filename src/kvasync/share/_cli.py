@@ -23,7 +23,7 @@ from rich.text import Text
 from .._errors import KVAsyncError
 from .._sizes import format_bytes as format_bytes
 from .._sizes import parse_size as parse_size
-from ..cli import SIZE
+from ..cli import SHARE, SIZE
 from . import _ledger as ledger
 
 __all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
@@ -39,6 +39,7 @@ def _share_option() -> click.Option:
     return click.Option(
         ["--share"],
         default=None,
+        type=SHARE,
         help="The share's name (default: $KVASYNC_SHARE, else the share of CUDA device 0).",
     )
 
@@ -183,9 +184,9 @@ def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
     on this machine instead.
     """
     if prune:
-        _prune([share] if share else ledger.shares())
+        _prune([share] if share is not None else ledger.shares())
         return
-    chosen = share or os.environ.get("KVASYNC_SHARE")
+    chosen = share if share is not None else os.environ.get("KVASYNC_SHARE")
     name = chosen or _default_share()
     # No share named and none for CUDA device 0 here: say what there is instead of failing.
     every_share = not chosen and not os.path.exists(ledger.path(name))
@@ -237,7 +238,7 @@ def top_command(share: str | None, interval: float, count: int) -> None:
     A share nobody has joined yet (or whose allocators all left) is shown as waiting: top keeps
     refreshing until allocators join.
     """
-    name = share or _default_share()
+    name = share if share is not None else _default_share()
     console = Console()
     refreshes = 0
 
@@ -267,7 +268,7 @@ def limit_command(share: str | None, pid: int, size: int) -> None:
     The allocators apply it in the background: they stop growing above it and give back free
     pages at once and others as blocks are freed.
     """
-    name = share or _default_share()
+    name = share if share is not None else _default_share()
     try:
         count = ledger.set_limit(name, pid, size)
     except (KVAsyncError, ValueError) as error:
