@@ -9,9 +9,12 @@ vLLM, and they skip there, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -297,6 +300,50 @@ def test_a_closed_allocator_stops_decode_steps_that_ask_for_no_block(
     with pytest.raises(AllocatorClosed, match="KV cache allocator is closed"):
         scheduler.schedule()
     assert len(lines(caplog, "KV cache allocator is closed")) == 1
+
+
+def run_in_forked_child(work: Callable[[], str], timeout: float = DEADLINE) -> str:
+    """``work()`` in a forked child: what it returned, or the error it raised, as a line; a
+    child still running at the deadline is killed and fails the test."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        os.close(read_end)
+        try:
+            line = work()
+        except BaseException as error:  # reported to the parent, which asserts on it
+            line = f"{type(error).__name__}: {error}"
+        os.write(write_end, line.encode()[:60_000])
+        os._exit(0)
+    os.close(write_end)
+    due = time.monotonic() + timeout
+    try:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > due:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"the forked child did not finish within {timeout} s")
+            time.sleep(0.01)
+        with os.fdopen(read_end, "rb") as reader:
+            return reader.read().decode()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read_end)
+
+
+def test_a_forked_child_of_the_engine_stops_with_an_explained_error_instead_of_a_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engines: list[EngineKV]
+) -> None:
+    # The count's hot path reads the allocator's pool directly; in a forked child that pool's
+    # threads and locks are the parent's, so the child gets the allocator's fork error instead.
+    engine = open_engine(engines, 512)
+    scheduler = make_scheduler(monkeypatch, tmp_path, engine)
+    add_request(scheduler, "decoding", 20)
+    assert step(scheduler) == 20  # then a decode step inside its second block: no block asked
+    said = run_in_forked_child(lambda: str(scheduler.schedule().total_num_scheduled_tokens))
+    assert said.startswith("AllocatorClosed: kvasync's vLLM pool: the engine's KV cache")
+    assert "forked child" in said
+    assert step(scheduler) == 1  # the parent's engine goes on
 
 
 # -- a failing map: a miss, never an error -------------------------------------------------

@@ -163,6 +163,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import time
 import weakref
@@ -191,6 +192,20 @@ _LOG_INTERVAL = 30.0
 # While no block is asked and none is available, how often the count looks whether the
 # allocator was closed (a closed allocator has none available, and raises nothing there).
 _CLOSED_PROBE_INTERVAL = 0.05
+
+
+# Pools whose count reads the allocator's pool directly (``_available_blocks``): in a forked
+# child each goes back to the Allocator's checked method, which raises ``AllocatorClosed`` there
+# (the pool's threads and locks are the parent's) instead of taking a lock no thread will free.
+_DIRECT_READERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_DIRECT_READERS):
+        pool._available_blocks = pool._kv.allocator.available_blocks
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Demand(NamedTuple):
@@ -480,8 +495,15 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
-            # Read for every running request every step: the allocator's own, one call less.
-            self._available_blocks = engine.allocator.allocator.available_blocks
+            # Read for every running request every step: the allocator's pool's own, without
+            # the Allocator's Python frame, whose one job here is its fork check (Note [Fork] in
+            # _allocator). That check is made once now (it raises in a forked child of the
+            # allocator's process), and a fork after it gives a child's pools the checked
+            # method back (_after_fork_in_child).
+            allocator = engine.allocator.allocator
+            allocator.available_blocks()
+            self._available_blocks: Callable[[], int] = allocator._pool.available_blocks
+            _DIRECT_READERS.add(self)
             self._drain = engine.allocator.allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
@@ -490,7 +512,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # requests hold; the allocator's used blocks less the null block, kept here so that
             # the per-step usage builds no stats snapshot.
             self._taken = engine.allocator.stats().used_blocks - 1
-            self._demand: Demand | None = None  # counted by the coordinator, not yet answered
+            # The coordinator's counts not yet answered, the latest last: ``expect(demand)``
+            # is the list's own append (a C call, no Python frame: every running request makes
+            # one every step), and holds no reference to the pool.
+            self._counted: list[Demand] = []
+            self.expect: Callable[[Demand], None] = self._counted.append
+            # vLLM 0.33: blocks name their pool, and reuse has watchers (unpin_blocks); 0.26's
+            # have neither, and asking each block costs an AttributeError.
+            self._foreign_blocks = hasattr(type(self.blocks[0]), "pool") or hasattr(
+                self.blocks[0], "pool"
+            )
+            self._watched = hasattr(self, "_reuse_watchers")
             self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
             self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
             self.num_lag_evictions = 0  # cached blocks a running request took for unmapped ones
@@ -510,18 +542,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
 
         # -- what vLLM asks --------------------------------------------------------------------
 
-        def expect(self, demand: Demand) -> None:
-            """The coordinator's count for the allocation it is about to make."""
-            self._demand = demand
-
         def get_num_free_blocks(self) -> int:
-            demand, self._demand = self._demand, None
-            if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
+            counted = self._counted
+            if not counted:  # not vLLM's allocation check: what is free now, as vLLM counts
                 self._may_evict = 0
                 return self.num_free_blocks_now()
+            demand = counted.pop()
+            if counted:  # counts never answered (vLLM's reserve estimate): the latest stands
+                counted.clear()
             queued: int = self.cached_free_queue.num_free_blocks
             try:
-                if demand.blocks == 0 and not self._pocket:
+                if demand is _NO_BLOCKS and not self._pocket:
                     # The hot path, every running request every step: nothing to take or give
                     # back, so what _promise counts is the headroom alone.
                     self._may_evict = 0
@@ -579,10 +610,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             released = []
             others: dict[Any, list[Any]] = {}
             for block in ordered_blocks:
-                owner = getattr(block, "pool", None)  # vLLM 0.33: a block of another pool
-                if owner is not None and owner is not self:
-                    others.setdefault(owner, []).append(block)
-                    continue
+                if self._foreign_blocks:  # vLLM 0.33: a block of another pool
+                    owner = getattr(block, "pool", None)
+                    if owner is not None and owner is not self:
+                        others.setdefault(owner, []).append(block)
+                        continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
                     # No prefix will hit it (no hash, or caching off): kvasync's at once.
@@ -637,7 +669,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             for block in cached:
                 self._maybe_evict_cached_block(block)
             self._release(cached)
-            if getattr(self, "_reuse_watchers", None):  # vLLM 0.33: every watcher hears it
+            if self._watched and self._reuse_watchers:  # vLLM 0.33: every watcher hears it
                 self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
             self.cached_block_hash_to_block = type(self.cached_block_hash_to_block)()
             self.cached_block_hashes_by_block.clear()
@@ -828,7 +860,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """vLLM 0.33's ``unpin_blocks``: a block released with a watcher stays readable
             until the pool reuses it; leaving vLLM's queue (to a request or to kvasync, whose
             pages may be unmapped) is that reuse."""
-            if getattr(self, "_reuse_watchers", None):
+            if self._watched and self._reuse_watchers:
                 self._notify_reuse(blocks)
 
         def _trim_cached(self) -> None:
