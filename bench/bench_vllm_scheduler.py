@@ -23,8 +23,9 @@ steps and once timing each call (every call wrapped in a timer, so the step pass
 wrapper). Per step: the scheduler thread's CPU time (``time.thread_time``: the mapper thread's
 work and the time the thread is descheduled are not in it) of ``schedule()`` +
 ``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
-whole run against stock's; the median over steps of a step's time over stock's same step; the
-wall median. Per call (wall time): the scheduler's calls into the KV cache
+whole run against stock's (all rounds, and the lowest and highest of each round's run over
+stock's run beside it: the spread); the median over steps of a step's time over stock's same
+step; the wall median. Per call (wall time): the scheduler's calls into the KV cache
 (``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``, the coordinator's
 ``get_num_blocks_to_allocate``) and the pool's methods they reach (``get_num_free_blocks``,
 ``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step stats read).
@@ -152,6 +153,7 @@ class Samples:
     walls: list[float] = field(default_factory=list)  # wall seconds a step
     ratios: list[float] = field(default_factory=list)  # a step's CPU time over stock's same step
     steps_per_run: list[int] = field(default_factory=list)
+    run_cpu: list[float] = field(default_factory=list)  # the CPU seconds of each whole run
     calls: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     misses: list[int] = field(default_factory=list)  # kvasync: counts answered short
 
@@ -364,6 +366,7 @@ def run_together(
     names = list(schedulers)
     limit = workload.requests * (workload.prompt + workload.output)  # a step makes progress
     steps = dict.fromkeys(names, 0)
+    run_cpu = dict.fromkeys(names, 0.0)
     step = 0
     while any(s.has_requests() for s in schedulers.values()):
         times: dict[str, float] = {}
@@ -378,6 +381,7 @@ def run_together(
             times[name] = cpu() - start_cpu
             wall = clock() - start
             steps[name] += 1
+            run_cpu[name] += times[name]
             if not timing_calls:
                 samples[name].steps.append(times[name])
                 samples[name].walls.append(wall)
@@ -394,6 +398,7 @@ def run_together(
         if timing_calls:
             continue
         samples[name].steps_per_run.append(steps[name])
+        samples[name].run_cpu.append(run_cpu[name])
         misses = getattr(manager.block_pool, "num_map_ahead_misses", None)
         if misses is not None:
             samples[name].misses.append(int(misses))
@@ -420,6 +425,8 @@ def step_table(
         for pool in pools:
             s = results[(pool, caching)]
             per_run = sum(s.steps) / len(s.steps_per_run)
+            # Each run against stock's run beside it (same round, same load): their spread.
+            ratios = [mine / theirs for mine, theirs in zip(s.run_cpu, stock.run_cpu, strict=True)]
             rows.append(
                 [
                     pool,
@@ -430,6 +437,7 @@ def step_table(
                     fmt_ms(percentile(s.steps, 99)),
                     fmt_ms(per_run),
                     f"{per_run / base:.3f}x",
+                    f"{min(ratios):.3f}-{max(ratios):.3f}x",
                     f"{percentile(s.ratios, 50):.3f}x",
                     fmt_ms(percentile(s.walls, 50)),
                     str(max(s.misses)) if s.misses else "-",
@@ -445,6 +453,7 @@ def step_table(
             "p99 ms",
             "CPU ms a run",
             "run vs stock",
+            "runs vs stock, min-max",
             "step vs stock p50",
             "step wall p50 ms",
             "map-ahead misses",

@@ -66,6 +66,56 @@ blocks outrun the reserve admits fewer requests (or, for running requests, evict
 prefixes) until the mapper catches up; the worker sizes the reserve to a step so that this is
 rare.
 
+Note [When the allocator fails]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+vLLM treats any exception from ``Scheduler.schedule()`` or ``update_from_output()`` as a fatal
+EngineCore error. The scheduler reaches the allocator through the pool alone: the count
+(``get_num_free_blocks``: ``alloc_nowait``, ``available_blocks``, ``free`` of the pocket's
+surplus), ``get_new_blocks`` (the pocket; ``alloc_nowait``, and ``alloc`` for a call vLLM did
+not count), ``free_blocks``, ``evict_blocks`` and ``reset_prefix_cache`` (``free``,
+``drain_from``), ``get_usage`` (``available_blocks``), and the free list's view (``stats``,
+``free_block_ids``: read by vLLM's tests and offload, not its scheduler). Each error class the
+allocator raises there is one of:
+
+- A scheduling miss (the engine goes on): ``WouldBlock`` and ``OutOfBlocks`` (no mapped block
+  now, or never within the limit: the ordinary misses of Note [Count only what is mapped]), and
+  any other ``KVAsyncError`` of ``alloc_nowait`` (a backend's or the share ledger's error):
+  the count is answered on what the pool already has, as if the budget were spent, and one
+  warning line a ``log_interval`` (30 s) names the error, the failures since the last line and
+  the allocator's ``last_error``; ``num_allocator_errors`` counts them. The allocator keeps
+  serving what it can (DESIGN, "Failures are values"), and the next step tries again. A failed
+  map never reaches the count: the mapper's error stays in ``stats().last_error`` and the pages
+  are not there, a miss. For a call vLLM did not count, ``alloc``'s ``AllocTimeout``,
+  ``MapError`` and ``OutOfBlocks`` make it evict what the allocator lacks, and raise (as stock
+  raises when it is out of blocks) only when no cached block can make up for them.
+- An orderly stop: ``AllocatorClosed`` (the allocator was closed, or this is a forked child of
+  the process that opened it). The engine's KV pages are gone, so no step can run. The pool
+  logs one error line that says so and raises ``AllocatorClosed`` with that message (every
+  later call raises the same), and vLLM's own fatal-error path tells its front-ends the engine
+  is dead (each request ends with an engine error) and shuts it down: never a step over
+  unmapped pages, never a stall. A closed allocator raises nothing on the count's hot path (it
+  has no block available), so there, when none is available, the count looks at most every
+  ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
+  allocator always maps block 0's page, the null block). Frees into a closed allocator raise
+  nothing: vLLM's side is recorded and the pages are gone already.
+- A bug (raised as is): ``ValueError`` or ``TypeError`` (a free of a block not allocated, a
+  count below 1) means the pool's bookkeeping is wrong, and going on would hand a block out
+  twice.
+
+A request that cannot fit under the limit in force (the limit was lowered, or the share's
+budget went to a neighbour) is a miss at every step until the limit rises, and with vLLM's
+first-come-first-served queue the requests behind it wait too: the engine schedules nothing
+and recovers by itself when the limit rises. The count sees it when the request needs more
+than all the pool holds and the allocator can still give within the limit
+(``_taken + available_blocks()``): then one warning line a ``log_interval`` names the request,
+the blocks it needs, what the limit lets the engine hold, its limit, and how long it has waited;
+``num_stalled_counts`` counts those counts, ``stalled`` is the request, and a line says when it
+is scheduled again. It keeps waiting: the limit in force is meant to move (a share's fair
+share, an operator's ``kvasync limit``), vLLM 0.26 has no per-request deadline and no way for
+the pool to finish a request, and a client's own timeout or disconnect aborts it through
+vLLM's abort path. A running request that cannot grow is vLLM's to preempt; once preempted, its
+count as a waiting request is seen here.
+
 Note [What vLLM's free_block_queue shows]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 In stock vLLM ``BlockPool.free_block_queue`` holds every free block, and code outside the pool
@@ -113,22 +163,49 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..._errors import AllocTimeout, OutOfBlocks, WouldBlock
+from ..._errors import AllocatorClosed, KVAsyncError, OutOfBlocks, WouldBlock
 from ._engine import EngineKV
 
-__all__ = ["Demand", "FreeBlocksView", "counting_demand", "make_block_pool_class"]
+__all__ = [
+    "Demand",
+    "FreeBlocksView",
+    "RequestDemand",
+    "counting_demand",
+    "make_block_pool_class",
+]
 
 logger = logging.getLogger("kvasync.vllm")
 
 # The longest a call vLLM did not count waits for pages the budget allows (Note [Count only
 # what is mapped]: vLLM's scheduler never makes one).
 _MAP_WAIT = 5.0
+# While a request cannot fit under the limit in force, or the allocator fails, one warning line
+# per this many seconds (Note [When the allocator fails]).
+_LOG_INTERVAL = 30.0
+# While no block is asked and none is available, how often the count looks whether the
+# allocator was closed (a closed allocator has none available, and raises nothing there).
+_CLOSED_PROBE_INTERVAL = 0.05
+
+
+# Pools whose count reads the allocator's pool directly (``_available_blocks``): in a forked
+# child each goes back to the Allocator's checked method, which raises ``AllocatorClosed`` there
+# (the pool's threads and locks are the parent's) instead of taking a lock no thread will free.
+_DIRECT_READERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_DIRECT_READERS):
+        pool._available_blocks = pool._kv.allocator.available_blocks
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Demand(NamedTuple):
@@ -136,6 +213,14 @@ class Demand(NamedTuple):
 
     blocks: int
     running: bool
+
+
+class RequestDemand(Demand):
+    """A ``Demand`` the coordinator counted for a named request. The request is not part of
+    the demand's value (it compares equal to the plain ``Demand``): the pool reads it only to
+    name a request that cannot fit (Note [When the allocator fails])."""
+
+    request_id: Any
 
 
 # Most counts ask for no block (a running request's decode step inside its last block): one
@@ -156,11 +241,17 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
     parameters = inspect.signature(stock).parameters
     names = list(parameters)
 
-    def counted(blocks: int, admission: Any, local_computed: Any, new_computed: Any) -> Demand:
+    def counted(
+        blocks: int, admission: Any, local_computed: Any, new_computed: Any, request_id: Any
+    ) -> Demand:
         # Running: it computed tokens before and hits no new prefix; an admission check (the
         # full sequence of a waiting request) is not. Not for a count of no block (the hot
         # path, every running request every step: _NO_BLOCKS, no argument read).
-        return Demand(blocks, not admission and local_computed > 0 and not any(new_computed))
+        demand = RequestDemand(
+            blocks, not admission and local_computed > 0 and not any(new_computed)
+        )
+        demand.request_id = request_id
+        return demand
 
     def get_num_blocks_to_allocate_026(
         self: Any,
@@ -192,7 +283,11 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
             _NO_BLOCKS
             if blocks == 0
             else counted(
-                blocks, apply_admission_cap, num_local_computed_tokens, new_computed_blocks
+                blocks,
+                apply_admission_cap,
+                num_local_computed_tokens,
+                new_computed_blocks,
+                request_id,
             )
         )
         return blocks
@@ -203,6 +298,7 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
         get_num_blocks_to_allocate_026.__defaults__ = defaults or None
         return get_num_blocks_to_allocate_026
 
+    request_at = names.index("request_id")
     computed_at = names.index("new_computed_blocks")
     local_at = names.index("num_local_computed_tokens")
     admission_at = names.index("apply_admission_cap")
@@ -221,6 +317,7 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
                     argument(args, kwargs, admission_at, False),
                     argument(args, kwargs, local_at, 0),
                     argument(args, kwargs, computed_at, ()),
+                    argument(args, kwargs, request_at, None),
                 )
                 if blocks
                 else _NO_BLOCKS
@@ -398,8 +495,15 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
-            # Read for every running request every step: the allocator's own, one call less.
-            self._available_blocks = engine.allocator.allocator.available_blocks
+            # Read for every running request every step: the allocator's pool's own, without
+            # the Allocator's Python frame, whose one job here is its fork check (Note [Fork] in
+            # _allocator). That check is made once now (it raises in a forked child of the
+            # allocator's process), and a fork after it gives a child's pools the checked
+            # method back (_after_fork_in_child).
+            allocator = engine.allocator.allocator
+            allocator.available_blocks()
+            self._available_blocks: Callable[[], int] = allocator._pool.available_blocks
+            _DIRECT_READERS.add(self)
             self._drain = engine.allocator.allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
@@ -408,29 +512,57 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # requests hold; the allocator's used blocks less the null block, kept here so that
             # the per-step usage builds no stats snapshot.
             self._taken = engine.allocator.stats().used_blocks - 1
-            self._demand: Demand | None = None  # counted by the coordinator, not yet answered
+            # The coordinator's counts not yet answered, the latest last: ``expect(demand)``
+            # is the list's own append (a C call, no Python frame: every running request makes
+            # one every step), and holds no reference to the pool.
+            self._counted: list[Demand] = []
+            self.expect: Callable[[Demand], None] = self._counted.append
+            # vLLM 0.33: blocks name their pool, and reuse has watchers (unpin_blocks); 0.26's
+            # have neither, and asking each block costs an AttributeError.
+            self._foreign_blocks = hasattr(type(self.blocks[0]), "pool") or hasattr(
+                self.blocks[0], "pool"
+            )
+            self._watched = hasattr(self, "_reuse_watchers")
             self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
             self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
             self.num_lag_evictions = 0  # cached blocks a running request took for unmapped ones
+            # Note [When the allocator fails]: counts answered short because the request needs
+            # more than the limit in force lets the engine hold, and because the allocator
+            # raised; the request stalled now, and the clock and interval of the warnings.
+            self.num_stalled_counts = 0
+            self.num_allocator_errors = 0
+            self.stalled: Stall | None = None
+            self.clock: Callable[[], float] = time.monotonic
+            self.log_interval = _LOG_INTERVAL
+            self._stall_logged = -float("inf")
+            self._error_logged = -float("inf")
+            self._errors_unlogged = 0
+            self._closed_error: AllocatorClosed | None = None
+            self._closed_probe_due = 0.0
 
         # -- what vLLM asks --------------------------------------------------------------------
 
-        def expect(self, demand: Demand) -> None:
-            """The coordinator's count for the allocation it is about to make."""
-            self._demand = demand
-
         def get_num_free_blocks(self) -> int:
-            demand, self._demand = self._demand, None
-            if demand is None:  # not vLLM's allocation check: what is free now, as vLLM counts
+            counted = self._counted
+            if not counted:  # not vLLM's allocation check: what is free now, as vLLM counts
                 self._may_evict = 0
                 return self.num_free_blocks_now()
+            demand = counted.pop()
+            if counted:  # counts never answered (vLLM's reserve estimate): the latest stands
+                counted.clear()
             queued: int = self.cached_free_queue.num_free_blocks
-            if demand.blocks == 0 and not self._pocket:
-                # The hot path, every running request every step: nothing to take or give
-                # back, so what _promise counts is the headroom alone.
-                self._may_evict = 0
-                return queued + self._available_blocks()
-            return self._promise(demand, queued)
+            try:
+                if demand is _NO_BLOCKS and not self._pocket:
+                    # The hot path, every running request every step: nothing to take or give
+                    # back, so what _promise counts is the headroom alone.
+                    self._may_evict = 0
+                    available: int = self._available_blocks()
+                    if available <= 0:  # none, or closed: closed raises nothing here
+                        self._probe_closed()
+                    return queued + available
+                return self._promise(demand, queued)
+            except AllocatorClosed as error:
+                raise self._closed(error) from error
 
         def get_new_blocks(self, num_blocks: int) -> list[Any]:
             if num_blocks <= 0:
@@ -454,9 +586,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     fresh = self._take(rest - evict, queued - evict)
                     self._taken += len(fresh)
                     ids += fresh
-            except BaseException:
+            except BaseException as error:
                 self._pocket[:0] = ids[:pocketed]  # the promise stands
                 self._give_back(ids[pocketed:])
+                if isinstance(error, AllocatorClosed):
+                    raise self._closed(error) from error
                 raise
             self._may_evict -= evict
             blocks = self.blocks
@@ -476,10 +610,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             released = []
             others: dict[Any, list[Any]] = {}
             for block in ordered_blocks:
-                owner = getattr(block, "pool", None)  # vLLM 0.33: a block of another pool
-                if owner is not None and owner is not self:
-                    others.setdefault(owner, []).append(block)
-                    continue
+                if self._foreign_blocks:  # vLLM 0.33: a block of another pool
+                    owner = getattr(block, "pool", None)
+                    if owner is not None and owner is not self:
+                        others.setdefault(owner, []).append(block)
+                        continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
                     # No prefix will hit it (no hash, or caching off): kvasync's at once.
@@ -534,7 +669,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             for block in cached:
                 self._maybe_evict_cached_block(block)
             self._release(cached)
-            if getattr(self, "_reuse_watchers", None):  # vLLM 0.33: every watcher hears it
+            if self._watched and self._reuse_watchers:  # vLLM 0.33: every watcher hears it
                 self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
             self.cached_block_hash_to_block = type(self.cached_block_hash_to_block)()
             self.cached_block_hashes_by_block.clear()
@@ -564,10 +699,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             return len(self._pocket)
 
         def _num_running(self) -> int:
-            """Blocks requests hold (the allocator's used blocks less the null block, vLLM's
-            queue and the pocket)."""
+            """Blocks requests hold: those taken from the allocator (its used blocks less the
+            null block, counted here without a stats snapshot) less vLLM's queue and the
+            pocket."""
             queued = int(self.cached_free_queue.num_free_blocks)
-            return self._kv.stats().used_blocks - 1 - queued - len(self._pocket)
+            return self._taken - queued - len(self._pocket)
 
         def uncached_free_blocks(self) -> list[Any]:
             """The free blocks handed out before any cached one, in that order: the pocket, then
@@ -598,6 +734,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 ids = list(self._kv.alloc_nowait(k))
             except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
                 return []
+            except AllocatorClosed:
+                raise
+            except KVAsyncError as error:  # Note [When the allocator fails]: none now
+                self._allocator_failed(error)
+                return []
             self._taken += len(ids)
             return ids
 
@@ -616,17 +757,28 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     # The miss asked the mapper for what the budget allows of the shortfall
                     # (mapping ahead, in the background); take what is mapped now.
                     self._pocket += self._mapped_now(short)
+                except AllocatorClosed:
+                    raise
+                except KVAsyncError as error:
+                    # Note [When the allocator fails]: a miss, counted on what the pool has.
+                    self._allocator_failed(error)
                 short = n - len(self._pocket)
             if short <= 0:
                 # The demand is the pool's own now. vLLM allocates exactly it; what it counts
                 # beyond (a watermark, blocks reserved for other sequences) is headroom.
                 self._may_evict = 0
+                if self.stalled is not None:
+                    self._served(demand)
                 return len(self._pocket) + queued + kv.available_blocks()
             room = kv.available_blocks()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
             if self._may_evict < short:
                 self.num_map_ahead_misses += 1
+                # All the pool holds and all the allocator can still give, within the limit
+                # in force: more than that waits for the limit to rise.
+                if n > self._taken + room:
+                    self._stalled(demand, self._taken + room)
             elif demand.running and lacking < short:
                 self.num_lag_evictions += short - lacking
             return len(self._pocket) + self._may_evict
@@ -646,7 +798,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             to wait for); last first, so that they come out again in the order they were taken
             (Note [Who owns a free block])."""
             if ids:
-                self._kv.free(ids[::-1])
+                try:
+                    self._kv.free(ids[::-1])
+                except AllocatorClosed as error:
+                    raise self._closed(error) from error
                 self._taken -= len(ids)
 
         def _evict(self, n: int) -> list[Any]:
@@ -678,7 +833,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             deadline = time.monotonic() + _MAP_WAIT
             try:
                 return list(kv.alloc(wanted, deadline=deadline))
-            except (AllocTimeout, OutOfBlocks):
+            except AllocatorClosed:
+                raise
+            except KVAsyncError:  # timed out, never fits, a map or the budget failed
                 if wanted <= lacking:
                     raise
             # The budget shrank (a neighbour's share) or the mapper fell behind: the cached
@@ -693,14 +850,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             after = self._fence() if self._fence is not None else None
             # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
             # block]).
-            self._kv.free([b.block_id for b in reversed(blocks)], after=after)
+            try:
+                self._kv.free([b.block_id for b in reversed(blocks)], after=after)
+            except AllocatorClosed as error:
+                raise self._closed(error) from error
             self._taken -= len(blocks)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
             """vLLM 0.33's ``unpin_blocks``: a block released with a watcher stays readable
             until the pool reuses it; leaving vLLM's queue (to a request or to kvasync, whose
             pages may be unmapped) is that reuse."""
-            if getattr(self, "_reuse_watchers", None):
+            if self._watched and self._reuse_watchers:
                 self._notify_reuse(blocks)
 
         def _trim_cached(self) -> None:
@@ -724,4 +884,113 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     self._maybe_evict_cached_block(block)
                 self._release(surplus)
 
+        # -- Note [When the allocator fails] -------------------------------------------------
+
+        def _closed(self, error: AllocatorClosed) -> AllocatorClosed:
+            """The error that stops the engine: its allocator is closed, so its KV pages are
+            gone. Logged once; every later call raises the same."""
+            if self._closed_error is None:
+                self._closed_error = AllocatorClosed(
+                    f"kvasync's vLLM pool: the engine's KV cache allocator is closed ({error}), "
+                    "so its KV pages are unmapped and no step can run on them: the engine stops "
+                    "here, and vLLM ends its requests with an engine error. The allocator "
+                    "closes when the engine shuts down; if it was not shutting down, restart "
+                    "it and report this"
+                )
+                logger.error("%s", self._closed_error)
+            return self._closed_error
+
+        def _probe_closed(self) -> None:
+            """Raises ``AllocatorClosed`` when the allocator was closed: looked at most every
+            ``_CLOSED_PROBE_INTERVAL`` seconds, on the count's path where none is available.
+            An open engine's allocator always has a page mapped: block 0, the null block."""
+            if self._closed_error is not None:
+                raise AllocatorClosed("seen closed at an earlier step")
+            now = self.clock()
+            if now < self._closed_probe_due:
+                return
+            self._closed_probe_due = now + _CLOSED_PROBE_INTERVAL
+            if self._kv.stats().mapped_pages == 0:
+                raise AllocatorClosed("none of its pages is mapped, not even the null block's")
+
+        def _allocator_failed(self, error: KVAsyncError) -> None:
+            """An allocator error on the count's path: a miss, logged at most once a
+            ``log_interval``."""
+            self.num_allocator_errors += 1
+            self._errors_unlogged += 1
+            now = self.clock()
+            if now - self._error_logged < self.log_interval:
+                return
+            logger.warning(
+                "kvasync: the KV allocator failed while the scheduler counted free blocks "
+                "(%s: %s); the count is a scheduling miss and the next step tries again "
+                "(%d failure(s) since the last line; the allocator's last error: %s)",
+                type(error).__name__,
+                error,
+                self._errors_unlogged,
+                self._kv.stats().last_error or "none",
+            )
+            self._error_logged = now
+            self._errors_unlogged = 0
+
+        def _stalled(self, demand: Demand, capacity: int) -> None:
+            """A count answered short because the request needs more than the limit in force
+            lets the engine hold (``capacity``: all the pool holds and the allocator can still
+            give): warned at most once a ``log_interval``."""
+            self.num_stalled_counts += 1
+            now = self.clock()
+            request_id = getattr(demand, "request_id", None)
+            stall = self.stalled
+            if stall is None or stall.request_id != request_id:
+                stall = self.stalled = Stall(request_id, demand.blocks, now)
+            stall.need = demand.blocks
+            stall.counts += 1
+            if now - self._stall_logged < self.log_interval:
+                return
+            stats = self._kv.stats()
+            logger.warning(
+                "kvasync: request %s cannot be scheduled: it needs %d KV blocks and the memory "
+                "limit in force lets this engine hold %d (its limit is %d blocks; %d held by "
+                "requests, %d by the prefix cache). It has waited %.1f s (%d counts) and "
+                "waits until the limit rises, and the requests queued behind it wait too: "
+                "raise the limit (KVASYNC_MEMORY_LIMIT, the share's budget, `kvasync limit`) "
+                "or abort the request",
+                request_id,
+                demand.blocks,
+                capacity,
+                stats.memory_limit_blocks,
+                self._num_running(),
+                int(self.cached_free_queue.num_free_blocks),
+                now - stall.since,
+                stall.counts,
+            )
+            self._stall_logged = now
+
+        def _served(self, demand: Demand) -> None:
+            """A count answered in full: if it is the stalled request's, its stall is over."""
+            stall = self.stalled
+            if stall is None or getattr(demand, "request_id", None) != stall.request_id:
+                return
+            self.stalled = None
+            logger.warning(
+                "kvasync: request %s is scheduled again: it needs %d KV blocks and the limit in "
+                "force allows them now, after %.1f s (%d counts) of waiting",
+                stall.request_id,
+                demand.blocks,
+                self.clock() - stall.since,
+                stall.counts,
+            )
+
     return KVAsyncBlockPool
+
+
+class Stall:
+    """A request that cannot fit under the limit in force (Note [When the allocator fails])."""
+
+    __slots__ = ("counts", "need", "request_id", "since")
+
+    def __init__(self, request_id: Any, need: int, since: float) -> None:
+        self.request_id = request_id
+        self.need = need  # blocks its last count asked for
+        self.since = since  # the pool's clock at its first count answered short
+        self.counts = 0  # counts answered short since
