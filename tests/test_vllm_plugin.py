@@ -95,66 +95,7 @@ def test_no_size_is_refused_with_the_variables_to_set() -> None:
         _ = read_settings({"KVASYNC_VLLM": "1"}).capacity_bytes
 
 
-# -- version and seam checks -----------------------------------------------------------------
-
-
-def test_an_untested_vllm_is_refused_naming_the_tested_versions() -> None:
-    with pytest.raises(plugin.UnsupportedVLLM, match=r"tested with vLLM 0\.26\.0, not 0\.99\.0"):
-        plugin.check_version("0.99.0", env={})
-    plugin.check_version("0.26.0", env={})
-    plugin.check_version("0.99.0", env={plugin.ANY_VERSION: "1"})
-
-
-def test_a_vllm_whose_pool_alone_is_tested_is_refused_for_an_engine_saying_so() -> None:
-    plugin.check_version("0.33.0", env={}, pool_only=True)  # vLLM's own tests, the pool alone
-    with pytest.raises(plugin.UnsupportedVLLM, match=r"block pool alone is tested with .*0\.33"):
-        plugin.check_version("0.33.0", env={})
-    with pytest.raises(plugin.UnsupportedVLLM, match=r"not 0\.99\.0: install"):
-        plugin.check_version("0.99.0", env={}, pool_only=True)
-
-
-def test_a_seam_accepts_the_signature_of_another_tested_version_only() -> None:
-    free = ("self", "ids", "after")
-    older = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids"), also=(free,))
-    assert older.resolve()[1] == "free"
-    other = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids"), also=(("x",),))
-    with pytest.raises(plugin.UnsupportedVLLM, match="has parameters"):
-        other.resolve()
-
-
-def test_register_refuses_an_untested_vllm_before_patching(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("KVASYNC_MEMORY_LIMIT", "1GiB")
-    monkeypatch.delenv(plugin.ANY_VERSION, raising=False)
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
-    before = None if VLLM_ERROR else vllm_coordinator.BlockPool
-    with pytest.raises(plugin.UnsupportedVLLM, match=r"0\.26\.0"):
-        plugin.register()
-    if not VLLM_ERROR:
-        assert vllm_coordinator.BlockPool is before
-
-
-def test_a_seam_with_another_signature_is_refused() -> None:
-    changed = plugin.Seam("kvasync._sync", "SyncAllocator.alloc", ("self", "n"))
-    with pytest.raises(plugin.UnsupportedVLLM, match="has parameters"):
-        changed.resolve()
-    missing = plugin.Seam("kvasync._sync", "SyncAllocator.no_such_method", ("self",))
-    with pytest.raises(plugin.UnsupportedVLLM, match="is missing"):
-        missing.resolve()
-    same = plugin.Seam("kvasync._sync", "SyncAllocator.free", ("self", "ids", "after"))
-    assert same.resolve()[1] == "free"
-
-
-@needs_vllm
-def test_every_seam_matches_this_vllm() -> None:
-    for seam in (
-        plugin.BLOCK_POOL,
-        plugin.COORDINATOR_COUNT,
-        plugin.EXECUTOR_INIT,
-        *plugin.POOL_METHODS,
-    ):
-        seam.resolve()
+# -- version and seam checks: tests/test_vllm_seams.py ---------------------------------------
 
 
 # -- the block pool against vLLM's ----------------------------------------------------------
