@@ -7,6 +7,7 @@ saying so, and run in ``make vllm-matrix`` on every release.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -315,3 +316,158 @@ def test_a_second_block_pool_of_other_blocks_is_refused_naming_cpu_offload(
         plugin.UnsupportedVLLM, match=r"second BlockPool of 32 blocks.*kv_offloading_size"
     ):
         vllm_coordinator.BlockPool(32, True, 16)
+
+
+# -- the worker seam: vLLM's own KV allocation path, stock against the plugin's -----------------
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+
+
+def kv_setup(dtype: Any, block_size: int, num_blocks: int, layout: str | None) -> Any:
+    """A real KVCacheConfig of 3 full-attention layers, built by vLLM's own planner, and the
+    vLLM config the plugin reads."""
+    import torch  # noqa: F401 - the dtypes the specs are built with
+    from vllm.config import CacheConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    planner: Any = None
+    for module in ("vllm.v1.core.kv_cache_planning", "vllm.v1.core.kv_cache_utils"):
+        with contextlib.suppress(ImportError):
+            planner = importlib.import_module(module).get_kv_cache_config_from_groups
+            break
+    assert planner is not None
+    cache = CacheConfig(block_size=block_size)
+    if layout is not None:
+        cache.kv_cache_layout = layout
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=dtype)
+    vllm_config = SimpleNamespace(
+        cache_config=cache,
+        kv_transfer_config=None,
+        attention_config=SimpleNamespace(hisparse_config=None),
+        parallel_config=SimpleNamespace(distributed_executor_backend=None),
+        model_config=SimpleNamespace(max_model_len=256, served_model_name="seam-test"),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256, max_num_seqs=4),
+    )
+    groups = [KVCacheGroupSpec(layer_names=list(LAYERS), kv_cache_spec=spec)]
+    config = planner(vllm_config, groups, spec.page_size_bytes * len(LAYERS) * num_blocks)
+    assert config.num_blocks == num_blocks
+    return config, vllm_config
+
+
+def allocation_shape() -> str:
+    return str(_seams.check_all(engine=True)["allocate-kv-cache"].shape.adapter or "per-layer")
+
+
+def allocate_both_ways(config: Any, vllm_config: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(runner, stock's tensors, the plugin's) for each runner's call of the seam, as vLLM calls
+    it; the plugin is registered between the two."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    cpu = torch.device("cpu")
+    runner_module = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+    attn_utils = importlib.import_module("vllm.v1.worker.gpu.attn_utils")
+    runner = object.__new__(runner_module.GPUModelRunner)
+    runner.device = cpu
+    runner.runner_only_attn_layers = set()
+    runner.vllm_config = vllm_config
+    if allocation_shape() == "per-layer":
+        calls = {
+            "v1": lambda: runner._allocate_kv_cache_tensors(config),
+            "v2": lambda: attn_utils._allocate_kv_cache(config, {}, cpu),
+        }
+    else:
+        layouts = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
+        layout = layouts[config_layout(vllm_config)]
+        block_sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+        calls = {
+            "v1": lambda: runner_module.allocate_kv_cache(config, cpu, layout, block_sizes),
+            "v2": lambda: attn_utils.allocate_kv_cache(config, cpu, layout, block_sizes),
+        }
+    stock = {name: call() for name, call in calls.items()}
+    plugin.register()
+    for name, call in calls.items():
+        with set_current_vllm_config(vllm_config):
+            yield name, stock[name], call()
+
+
+def config_layout(vllm_config: Any) -> str:
+    return str(vllm_config.cache_config.kv_cache_layout)
+
+
+@needs_vllm
+@pytest.mark.parametrize(
+    ("dtype_name", "block_size"),
+    [("bfloat16", 16), ("float16", 32), ("float32", 16), ("uint8", 64)],
+)
+def test_the_worker_seam_gives_stocks_views_over_a_kvasync_range(
+    restored: pytest.MonkeyPatch, dtype_name: str, block_size: int
+) -> None:
+    import torch
+
+    from kvasync.integrations.vllm._engine import current_engine
+
+    num_blocks = 40
+    layout = "BLNHC" if allocation_shape() == "one-backing" else None
+    config, vllm_config = kv_setup(getattr(torch, dtype_name), block_size, num_blocks, layout)
+    seen = 0
+    for runner, stock, ours in allocate_both_ways(config, vllm_config):
+        assert set(ours) == set(stock) == set(LAYERS), runner
+        engine = current_engine()
+        assert engine is not None and engine.allocator.num_blocks == num_blocks
+        kv = engine.allocator
+        ranges = [kv.layer(i)[0] for i in range(kv.layout.num_layers)]
+        bases = {r.untyped_storage().data_ptr(): r for r in ranges}
+        block = kv.layout.range_block_bytes
+        for name in LAYERS:
+            mine, theirs = ours[name], stock[name]
+            assert (mine.dtype, mine.shape, mine.stride(), mine.storage_offset()) == (
+                theirs.dtype,
+                theirs.shape,
+                theirs.stride(),
+                theirs.storage_offset(),
+            ), (runner, name)
+            # Over a kvasync range, and vLLM's block b is in kvasync's block b of that range
+            # (read through addresses only: the pages of blocks other than 0 are not mapped).
+            base = mine.untyped_storage().data_ptr()
+            assert base in bases, (runner, name)
+            # The per-layer shape returns raw bytes (vLLM reshapes them later): block b is
+            # their b-th run of a block's bytes.
+            blocks = mine if mine.dim() > 1 else mine.view(num_blocks, -1)
+            for b in range(num_blocks):
+                offset = blocks[b].data_ptr() - base
+                assert b * block <= offset < (b + 1) * block, (runner, name, b)
+        # Block 0 (the null block, mapped and zeroed) is written and read through vLLM's view.
+        first = ours[LAYERS[0]]
+        first[0].fill_(7)
+        assert bool((first[0] == 7).all())
+        seen += 1
+    assert seen == 2
+
+
+@needs_vllm
+def test_the_one_backing_worker_seam_refuses_a_layout_that_keeps_layers_apart(
+    restored: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    if allocation_shape() != "one-backing":
+        pytest.skip("this vLLM allocates a tensor per layer (the per-layer shape)")
+    config, vllm_config = kv_setup(torch.bfloat16, 16, 40, "LBNHC")
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=BLNHC"):
+        for _ in allocate_both_ways(config, vllm_config):
+            pass
+
+
+@needs_vllm
+def test_the_layout_setting_is_set_when_unset_and_refused_when_it_keeps_layers_apart(
+    restored: pytest.MonkeyPatch,
+) -> None:
+    if allocation_shape() != "one-backing":
+        pytest.skip("this vLLM has no KV cache layout setting (the per-layer shape)")
+    env: dict[str, str] = {}
+    assert plugin.check_layout_setting(env) == "BLNHC"
+    assert env == {"VLLM_KV_CACHE_LAYOUT": "BLNHC"}
+    assert plugin.check_layout_setting({"VLLM_KV_CACHE_LAYOUT": "BLHNC"}) is None
+    with pytest.raises(plugin.UnsupportedVLLM, match="VLLM_KV_CACHE_LAYOUT=LBNHC keeps"):
+        plugin.check_layout_setting({"VLLM_KV_CACHE_LAYOUT": "LBNHC"})
