@@ -121,6 +121,15 @@ def test_an_absent_shape_matches_only_a_missing_attribute() -> None:
         seam((_seams.Shape("x", "0.26.0", "0.33.0", ("self",)),), "SyncAllocator.nope").find()
 
 
+def test_the_compatibility_doc_prints_the_table_the_code_checks() -> None:
+    from pathlib import Path
+
+    doc = Path(__file__).parent.parent / "docs" / "vllm" / "compatibility.md"
+    assert _seams.markdown_table() in doc.read_text(), (
+        "docs/vllm/compatibility.md's table is not _seams.markdown_table(): print it again"
+    )
+
+
 # -- the table against the vLLM installed here -------------------------------------------------
 
 

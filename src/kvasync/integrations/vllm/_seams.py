@@ -645,3 +645,21 @@ def check_all(*, engine: bool) -> dict[str, Found]:
             "or vllm.v1.worker.utils.allocate_kv_cache); nothing was patched"
         )
     return found
+
+
+def markdown_table() -> str:
+    """The seam table as docs/vllm/compatibility.md prints it: a row per seam, a column per
+    release, each cell the shape's name (``-`` where the seam is absent)."""
+    short = [r.removeprefix("0.") for r in RELEASES]
+    lines = [
+        "| seam | vLLM attribute | " + " | ".join(short) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in RELEASES) + " |",
+    ]
+    for seam in SEAMS:
+        cells = []
+        for release in RELEASES:
+            shape = seam.shape_of(release)
+            cells.append("?" if shape is None else "-" if shape.absent else shape.name)
+        patched = " (patched)" if seam.patched else ""
+        lines.append(f"| `{seam.key}`{patched} | `{seam.qualname}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
