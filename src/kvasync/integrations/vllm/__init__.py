@@ -12,20 +12,36 @@ vLLM v1 with the uniprocess executor runs its scheduler and its worker in one pr
 EngineCore; with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the caller's): one kvasync allocator
 serves both. With the multiprocess executor see Note [Page ids across processes and ranks].
 
-- Worker: ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)`` (the V1 model
-  runner; ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, shared_layers, device)`` in the
-  V2 runner, 0.26's default for Llama-family models) returns, for each
-  attention layer, an int8 tensor of ``num_blocks * page_size_bytes`` that vLLM reshapes for its
-  attention backend. The plugin returns views over a kvasync allocator's virtual ranges instead
-  (one range per layer, a kvasync block of exactly ``page_size_bytes``: ``_worker.kv_layout_for``),
-  so block id ``b`` is the same bytes for vLLM and kvasync, and the attention kernels run
-  unchanged. Capacity is reserved, nothing but the null block's page is mapped.
+- Worker, two shapes (Note [Seam table] in _seams):
+  - per-layer (0.26-0.28): ``GPUModelRunner._allocate_kv_cache_tensors(self, kv_cache_config)``
+    (the V1 runner; ``gpu.attn_utils._allocate_kv_cache(kv_cache_config, shared_layers,
+    device)`` in the V2 runner) returns, for each attention layer, an int8 tensor of
+    ``num_blocks * page_size_bytes`` that vLLM reshapes for its attention backend. The plugin
+    returns views over a kvasync allocator's ranges instead (one range per layer, a kvasync
+    block of exactly ``page_size_bytes``: ``_worker.kv_layout_for``).
+  - one-backing (0.29-): ``vllm.v1.worker.utils.allocate_kv_cache(kv_cache_config, device,
+    layout, kernel_block_sizes)``, which both runners call, allocates one int8 backing and
+    returns each layer's typed view of it. With a block-outermost layout (``BLNHC``, which the
+    plugin asks for through ``VLLM_KV_CACHE_LAYOUT`` when it is unset) block ``b`` of every
+    layer is one run of ``block_stride`` bytes, a kvasync block of one range
+    (``_worker.one_backing_layout``); the plugin runs vLLM's own function on the meta device
+    and rebases each view it returns onto that range (same shape, strides, dtype and offset).
+  Either way block id ``b`` is the same bytes for vLLM and kvasync, and the attention kernels
+  run unchanged. Capacity is reserved, nothing but the null block's page is mapped.
 - Capacity: ``Worker.determine_available_memory(self)`` is where vLLM profiles free memory and
   sizes the cache. The plugin sets ``cache_config.kv_cache_memory_bytes`` to kvasync's capacity
   (``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) before calling it, which is vLLM's
   own branch that still runs the profile (compile) pass but does not size by free memory; and
-  ``gpu_worker.request_memory(init_snapshot, cache_config)``, vLLM's start-up check that the
-  free memory covers ``gpu_memory_utilization``, no longer refuses a GPU another engine uses.
+  ``gpu_worker.request_memory(init_snapshot, cache_config, ...)``, vLLM's start-up check that
+  the free memory covers ``gpu_memory_utilization``, no longer refuses a GPU another engine
+  uses: stock's check runs on a copy of the snapshot whose free memory is the device's total,
+  so its other refusals (0.32's externally held weights, a bad setting) still raise.
+- Refused at start, in ``request_memory`` (a worker's first step, before the model loads):
+  a ``kv_cache_memory_bytes`` the user set (kvasync sizes the cache: ``KVASYNC_MEMORY_LIMIT``
+  is the setting that does what it did), and vLLM's CPU KV offload (``kv_offloading_size``;
+  its ``SimpleCPUOffloadConnector`` named in ``kv_transfer_config`` is refused in
+  ``determine_available_memory``), whose scheduler builds a second ``BlockPool`` of CPU
+  blocks through the coordinator's name, which is kvasync's pool.
 - Scheduler: ``kv_cache_coordinator.BlockPool`` is the class the coordinator builds; the plugin
   puts a subclass there (``_pool``, Note [Who owns a free block]) whose free blocks are those
   the allocator hands out, on mapped pages. A shortage is vLLM's ordinary scheduling miss.
@@ -35,16 +51,14 @@ serves both. With the multiprocess executor see Note [Page ids across processes 
 
 Note [Checked patches]
 ~~~~~~~~~~~~~~~~~~~~~~
-Each patch names the attribute, the parameters it must have, and the vLLM versions it was
-tested with (``TESTED``). ``register`` refuses, at start, a vLLM outside ``TESTED`` with a
-message naming the tested versions, and refuses any seam whose attribute is missing or whose
-signature differs, before patching anything: a half-patched vLLM (scheduler patched, worker
-not) is how the reference allocator hangs. ``KVASYNC_VLLM_ANY_VERSION=1`` lifts the version
-check (never the signature checks), for trying a new release. A seam may accept the signature
-another tested release has (``Seam.also``). The block pool alone (``KVASYNC_VLLM_HOST_POOL=1``,
-vLLM's own scheduler tests) is tested on more releases (``SCHEDULER_TESTED``: 0.33.0, whose
-``tests/v1/core`` pass with it as with stock vLLM but for the 10 tests that read vLLM's
-``free_block_queue``); an engine on those is refused, saying the worker side is not tested.
+``register`` refuses, at start, a vLLM newer than the newest in ``TESTED`` (or older than the
+oldest) with a message naming the tested releases; ``KVASYNC_VLLM_ANY_VERSION=1`` lifts that.
+Then, whatever the version, it finds every seam's shape (``_seams.check_all``: signatures, the
+names their code reads, and probes of vLLM's own pool, free list and blocks, so the private
+internals the pool relies on are checked too) and refuses the first seam no known shape
+matches, naming it, before patching anything: a half-patched vLLM (scheduler patched, worker
+not) is how the reference allocator hangs. ``TESTED`` is every release the seam table lists,
+each of which ``make vllm-matrix`` runs (docs/vllm/matrix-results.md).
 
 Note [Page ids across processes and ranks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -87,139 +101,30 @@ process, and TP > 1) kvasync's tensor-parallel group carries the scheduler's map
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
-import inspect
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ._engine import EngineKV, current_engine
+from ._seams import RELEASES, Found, UnsupportedVLLM, check_all, release_key
 from ._settings import PluginSettings, read_settings
 
 __all__ = ["TESTED", "UnsupportedVLLM", "register"]
 
 logger = logging.getLogger("kvasync.vllm")
 
-# vLLM releases the plugin was run against end to end (worker and scheduler).
-TESTED: tuple[str, ...] = ("0.26.0",)
-# Releases whose scheduler side (the block pool) was run through vLLM's own tests: the pool alone
-# (KVASYNC_VLLM_HOST_POOL=1, as `make vllm-test` runs it) is allowed on these.
-SCHEDULER_TESTED: tuple[str, ...] = ("0.26.0", "0.33.0")
+# The vLLM releases the plugin supports: every one the seam table lists (each seam's shape
+# there), each run by `make vllm-matrix` (docs/vllm/compatibility.md).
+TESTED: tuple[str, ...] = RELEASES
 ANY_VERSION = "KVASYNC_VLLM_ANY_VERSION"
-
-
-class UnsupportedVLLM(RuntimeError):
-    """The installed vLLM is not one the plugin was tested with, or a seam has changed."""
-
-
-@dataclass(frozen=True)
-class Seam:
-    """One attribute the plugin replaces, and the parameters it must have (``parameters``, or
-    one of ``also``: the same seam as another tested vLLM has it)."""
-
-    module: str
-    attribute: str  # "Name" or "Class.method"
-    parameters: tuple[str, ...]
-    also: tuple[tuple[str, ...], ...] = ()
-
-    def resolve(self) -> tuple[Any, str, Any]:
-        """(owner, name, current value).
-
-        Raises:
-            UnsupportedVLLM: the module, attribute or signature is not the expected one.
-        """
-        try:
-            owner: Any = importlib.import_module(self.module)
-        except ImportError as error:
-            raise UnsupportedVLLM(f"cannot import {self.module}: {error}") from error
-        *path, name = self.attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part, None)
-            if owner is None:
-                raise UnsupportedVLLM(f"{self.module}.{self.attribute}: {part} is missing")
-        value = inspect.getattr_static(owner, name, None)
-        if value is None:
-            raise UnsupportedVLLM(f"{self.module}.{self.attribute} is missing")
-        target = value.__init__ if inspect.isclass(value) else value
-        found = tuple(inspect.signature(target).parameters)
-        if found != self.parameters and found not in self.also:
-            raise UnsupportedVLLM(
-                f"{self.module}.{self.attribute} has parameters {found}, expected {self.parameters}"
-            )
-        return owner, name, getattr(owner, name)
-
-
-_POOL_INIT = (
-    "self",
-    "num_gpu_blocks",
-    "enable_caching",
-    "hash_block_size",
-    "enable_kv_cache_events",
-    "metrics_collector",
-)
-BLOCK_POOL = Seam(
-    "vllm.v1.core.kv_cache_coordinator",
-    "BlockPool",
-    _POOL_INIT,
-    also=((*_POOL_INIT, "num_hash_lookahead_tokens", "medium"),),  # 0.33
-)
-# The coordinator's count of the blocks an allocation needs, which the pool is told (Note [Count
-# only what is mapped] in _pool).
-_COUNT_PARAMETERS = (
-    "self",
-    "request_id",
-    "num_tokens",
-    "new_computed_blocks",
-    "num_encoder_tokens",
-    "total_computed_tokens",
-    "num_local_computed_tokens",
-    "num_tokens_main_model",
-    "apply_admission_cap",
-)
-COORDINATOR_COUNT = Seam(
-    "vllm.v1.core.kv_cache_coordinator",
-    "KVCacheCoordinator.get_num_blocks_to_allocate",
-    _COUNT_PARAMETERS,
-    also=((*_COUNT_PARAMETERS, "prefill_end"),),  # 0.33
-)
-# The methods of vLLM's BlockPool and FreeKVCacheBlockQueue that the pool overrides or calls.
-POOL_METHODS = (
-    Seam("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", ("self",)),
-    Seam("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks")),
-    Seam("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("self", "ordered_blocks")),
-    Seam("vllm.v1.core.block_pool", "BlockPool.reset_prefix_cache", ("self",)),
-    Seam("vllm.v1.core.block_pool", "BlockPool.get_usage", ("self",)),
-    Seam("vllm.v1.core.block_pool", "BlockPool._maybe_evict_cached_block", ("self", "block")),
-    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.popleft_n", ("self", "n")),
-    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.append_n", ("self", "blocks")),
-    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.remove", ("self", "block")),
-    Seam("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.get_all_free_blocks", ("self",)),
-)
-ALLOCATE = Seam(
-    "vllm.v1.worker.gpu_model_runner",
-    "GPUModelRunner._allocate_kv_cache_tensors",
-    ("self", "kv_cache_config"),
-)
-# The V2 model runner (vLLM's default for Llama-family models in 0.26) allocates here.
-ALLOCATE_V2 = Seam(
-    "vllm.v1.worker.gpu.attn_utils",
-    "_allocate_kv_cache",
-    ("kv_cache_config", "shared_layers", "device"),
-)
-# The EngineCore's call that has the workers allocate their KV caches: with workers in their own
-# processes, the engine's allocator (the group's scheduler) is opened here, before they join.
-EXECUTOR_INIT = Seam(
-    "vllm.v1.executor.abstract",
-    "Executor.initialize_from_config",
-    ("self", "kv_cache_configs"),
-)
-AVAILABLE_MEMORY = Seam("vllm.v1.worker.gpu_worker", "Worker.determine_available_memory", ("self",))
-REQUEST_MEMORY = Seam(
-    "vllm.v1.worker.gpu_worker", "request_memory", ("init_snapshot", "cache_config")
-)
+# vLLM's variable for the KV cache layout (0.29-); the one-backing shape needs a block-outermost
+# layout (Note [vLLM seams]).
+KV_CACHE_LAYOUT = "VLLM_KV_CACHE_LAYOUT"
+_BLOCK_OUTERMOST = "BLNHC"  # the default's (LBNHC) per-layer order, blocks outermost
 
 _registered = False
 
@@ -230,35 +135,29 @@ def vllm_version() -> str:
     return str(vllm.__version__).split("+", 1)[0]
 
 
-def check_version(
-    version: str, env: dict[str, str] | None = None, *, pool_only: bool = False
-) -> None:
+def check_version(version: str, env: dict[str, str] | None = None) -> None:
     """Refuses a vLLM the plugin was not tested with.
 
-    ``pool_only``: only the scheduler's block pool is installed (vLLM's own tests), which is
-    tested on ``SCHEDULER_TESTED``.
-
     Raises:
-        UnsupportedVLLM: ``version`` is not in ``TESTED`` (``SCHEDULER_TESTED`` for the pool
-            alone) and ``KVASYNC_VLLM_ANY_VERSION`` is not 1, naming the tested versions and
-            how to go on.
+        UnsupportedVLLM: ``version`` is not in ``TESTED`` and ``KVASYNC_VLLM_ANY_VERSION`` is
+            not 1, naming the tested releases, whether it is newer than the newest, and how to
+            go on.
     """
     env = dict(os.environ) if env is None else env
-    tested = SCHEDULER_TESTED if pool_only else TESTED
-    if version in tested or env.get(ANY_VERSION) == "1":
+    if version in TESTED or env.get(ANY_VERSION) == "1":
         return
-    pool_note = (
-        f" (its block pool alone is tested with {', '.join(SCHEDULER_TESTED)} through vLLM's "
-        "own tests; the worker side is not)"
-        if version in SCHEDULER_TESTED
-        else ""
-    )
+    if release_key(version) > release_key(TESTED[-1]):
+        where = f"newer than the newest tested ({TESTED[-1]})"
+    elif release_key(version) < release_key(TESTED[0]):
+        where = f"older than the oldest tested ({TESTED[0]})"
+    else:
+        where = "not a tested release"
     raise UnsupportedVLLM(
-        f"kvasync's vLLM plugin was tested with vLLM {', '.join(TESTED)}, not {version}"
-        f"{pool_note}: "
+        f"kvasync's vLLM plugin was tested with vLLM {', '.join(TESTED)}; {version} is {where}: "
         f"install one of those, or unset KVASYNC_SHARE/KVASYNC_DEVICE_BUDGET/"
         f"KVASYNC_MEMORY_LIMIT/KVASYNC_VLLM to run vLLM without kvasync "
-        f"({ANY_VERSION}=1 tries it anyway; the seams are still checked)"
+        f"({ANY_VERSION}=1 tries it anyway; every seam is still checked before anything is "
+        "patched)"
     )
 
 
@@ -268,9 +167,19 @@ def find_engine(num_gpu_blocks: int, settings: PluginSettings) -> EngineKV:
 
     Raises:
         RuntimeError: no worker registered one in this process (the worker runs elsewhere).
+        UnsupportedVLLM: a pool of another size than the engine's: a second ``BlockPool`` (vLLM's
+            CPU KV offload builds one of CPU blocks), naming the setting.
     """
     engine = current_engine()
     if engine is not None:
+        if engine.allocator.num_blocks != num_gpu_blocks and not settings.host_pool:
+            raise UnsupportedVLLM(
+                f"kvasync's vLLM plugin: a second BlockPool of {num_gpu_blocks} blocks is being "
+                f"built beside the engine's ({engine.allocator.num_blocks} blocks, kvasync's); "
+                "vLLM's CPU KV offload (kv_offloading_size / --kv-offloading-size, or "
+                "kv_transfer_config's SimpleCPUOffloadConnector) builds one for its CPU blocks, "
+                "which kvasync does not serve: unset it, or run vLLM without kvasync"
+            )
         return engine
     if settings.host_pool:
         return host_engine(num_gpu_blocks, settings)
@@ -330,8 +239,80 @@ def host_engine(
     return EngineKV(allocator=kv, owned=True)
 
 
-def _replace(owner: Any, name: str, value: Any) -> None:
-    setattr(owner, name, value)
+def check_layout_setting(env: dict[str, str] | None = None) -> str | None:
+    """For the one-backing shape (0.29-): the KV cache layout must put blocks outermost, so that
+    a block of every layer is one run of bytes. Sets ``VLLM_KV_CACHE_LAYOUT=BLNHC`` in ``env``
+    (``os.environ``) when it is unset, and says so (returns the value set, else None).
+
+    Raises:
+        UnsupportedVLLM: the user set a layout whose blocks are not outermost, naming it.
+    """
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    assert env is not None
+    requested = env.get(KV_CACHE_LAYOUT)
+    if requested is None or not requested.strip():
+        env[KV_CACHE_LAYOUT] = _BLOCK_OUTERMOST
+        logger.warning(
+            "kvasync: %s=%s set for vLLM (a block of every layer in one run of bytes, which "
+            "kvasync maps as one block); set it yourself to choose another block-outermost "
+            "layout (BLHNC, BHLNC)",
+            KV_CACHE_LAYOUT,
+            _BLOCK_OUTERMOST,
+        )
+        return _BLOCK_OUTERMOST
+    layouts = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
+    layout = layouts.__members__.get(requested.strip().upper())
+    if layout is None or not layout.is_block_outermost:
+        raise UnsupportedVLLM(
+            f"kvasync's vLLM plugin: {KV_CACHE_LAYOUT}={requested} keeps each layer's blocks "
+            "in a region of their own; kvasync maps a block of every layer as one run of "
+            f"bytes, which a block-outermost layout gives: set {KV_CACHE_LAYOUT}="
+            f"{_BLOCK_OUTERMOST} (or BLHNC, BHLNC), or unset it, or run vLLM without kvasync"
+        )
+    return None
+
+
+def check_cache_config(cache_config: Any, settings: PluginSettings) -> None:
+    """Refuses, at a worker's start, the vLLM settings kvasync would otherwise override or
+    break, each named with what to do instead.
+
+    Raises:
+        UnsupportedVLLM: ``kv_offloading_size`` (vLLM's CPU KV offload) is set.
+        ValueError: ``kv_cache_memory_bytes`` is set to another size than kvasync's capacity.
+    """
+    offload = getattr(cache_config, "kv_offloading_size", None)
+    if offload is not None:
+        raise UnsupportedVLLM(
+            f"kvasync's vLLM plugin does not run with vLLM's CPU KV offload "
+            f"(kv_offloading_size={offload}, --kv-offloading-size): its scheduler builds a "
+            "second BlockPool for the CPU blocks, which kvasync does not serve; unset it, or "
+            "run vLLM without kvasync"
+        )
+    asked = cache_config.kv_cache_memory_bytes
+    if asked is not None and int(asked) != settings.capacity_bytes:
+        raise ValueError(
+            f"kvasync's vLLM plugin sizes the KV cache itself ({settings.capacity_bytes} bytes: "
+            f"KVASYNC_MEMORY_LIMIT, else KVASYNC_DEVICE_BUDGET), and kv_cache_memory_bytes="
+            f"{asked} (--kv-cache-memory-bytes) is set too: to cap this engine's KV memory, set "
+            f"KVASYNC_MEMORY_LIMIT={asked} and leave kv_cache_memory_bytes unset"
+        )
+
+
+def check_connector(vllm_config: Any) -> None:
+    """Refuses vLLM's CPU KV offload connector set directly in ``kv_transfer_config``.
+
+    Raises:
+        UnsupportedVLLM: ``kv_transfer_config.kv_connector`` is ``SimpleCPUOffloadConnector``.
+    """
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    connector = getattr(transfer, "kv_connector", None)
+    if connector == "SimpleCPUOffloadConnector":
+        raise UnsupportedVLLM(
+            "kvasync's vLLM plugin does not run with vLLM's CPU KV offload (kv_transfer_config "
+            "kv_connector=SimpleCPUOffloadConnector): its scheduler builds a second BlockPool "
+            "for the CPU blocks, which kvasync does not serve; remove it, or run vLLM without "
+            "kvasync"
+        )
 
 
 def register() -> None:
@@ -348,32 +329,29 @@ def register() -> None:
     settings = read_settings()
     if not settings.enabled or _registered:
         return
-    check_version(vllm_version(), pool_only=settings.host_pool)
-    pool_owner, pool_name, block_pool = BLOCK_POOL.resolve()
-    for seam in POOL_METHODS:
-        seam.resolve()
-    count = COORDINATOR_COUNT.resolve()
-    worker = None
-    if not settings.host_pool:
-        worker = (
-            ALLOCATE.resolve(),
-            ALLOCATE_V2.resolve(),
-            AVAILABLE_MEMORY.resolve(),
-            REQUEST_MEMORY.resolve(),
-            EXECUTOR_INIT.resolve(),
-        )
+    check_version(vllm_version())
+    engine = not settings.host_pool
+    found = check_all(engine=engine)
+    if engine:
         settings.capacity_bytes  # noqa: B018 - refuses a missing size now, not at the first request
+        if found["allocate-kv-cache"].present:
+            check_layout_setting()
     from ._pool import counting_demand, make_block_pool_class
 
-    pool_class = make_block_pool_class(
-        block_pool, functools.partial(find_engine, settings=settings)
+    pool = found["coordinator-block-pool"]
+    count = found["coordinator-count"]
+    pool.replace(
+        make_block_pool_class(pool.value, functools.partial(find_engine, settings=settings))
     )
-    _replace(pool_owner, pool_name, pool_class)
-    _replace(count[0], count[1], counting_demand(count[2]))
-    if worker is not None:
-        _patch_worker(settings, *worker)
+    count.replace(counting_demand(count.value))
+    if engine:
+        _patch_worker(settings, found)
     _registered = True
-    logger.info("kvasync: vLLM plugin installed (vLLM %s)", vllm_version())
+    logger.info(
+        "kvasync: vLLM plugin installed (vLLM %s; %s)",
+        vllm_version(),
+        ", ".join(sorted({f.shape.adapter for f in found.values() if f.shape.adapter})) or "pool",
+    )
 
 
 def executor_kind(executor: Any) -> str:
@@ -416,15 +394,17 @@ def workers_in_own_processes(distributed_executor_backend: Any) -> bool:
     return False
 
 
-def _open_engine_for_workers(executor: Any, kv_cache_configs: Any, settings: PluginSettings) -> Any:
+def _open_engine_for_workers(
+    executor: Any, kv_cache_configs: Any, settings: PluginSettings, layout_of: Callable[[Any], Any]
+) -> Any:
     """Opens the EngineCore's allocator for workers in their own processes (Note [Page ids
     across processes and ranks]) and starts taking its null block; returns the holder."""
     from ._engine import register_engine, take_engine
     from ._ranks import NullBlockHolder, cuda_page_size, open_scheduler_engine
-    from ._worker import kv_layout_for, reserve_pages_for, step_blocks
+    from ._worker import reserve_pages_for, step_blocks
 
     vllm_config = executor.vllm_config
-    layout = kv_layout_for(kv_cache_configs[0])
+    layout = layout_of(kv_cache_configs[0])
     page_size = layout.page_unit(cuda_page_size(layout.range_block_bytes, 0))
     reserve = reserve_pages_for(layout, page_size, step_blocks(vllm_config, layout.block_size))
     previous = take_engine()
@@ -437,6 +417,7 @@ def _open_engine_for_workers(executor: Any, kv_cache_configs: Any, settings: Plu
         name=settings.name or f"vllm:{vllm_config.model_config.served_model_name}",
         reserve=reserve,
         page_size=page_size,
+        layout_of=layout_of,
     )
     register_engine(engine)
     logger.info(
@@ -449,59 +430,100 @@ def _open_engine_for_workers(executor: Any, kv_cache_configs: Any, settings: Plu
     return NullBlockHolder(engine.allocator)
 
 
-def _patch_worker(
-    settings: PluginSettings,
-    allocate: tuple[Any, str, Any],
-    allocate_v2: tuple[Any, str, Any],
-    available: tuple[Any, str, Any],
-    request: tuple[Any, str, Any],
-    executor_init: tuple[Any, str, Any],
-) -> None:
-    from ._worker import allocate_kv_cache_tensors
+def lift_free_memory_check(
+    stock: Callable[..., int], settings: PluginSettings
+) -> Callable[..., int]:
+    """vLLM's ``request_memory`` (either shape) without its free-memory refusal alone.
 
-    def allocate_tensors(kv_cache_config: Any, device: Any, vllm_config: Any, **layers: Any) -> Any:
+    The KV cache is not taken at start, so free memory need not cover
+    ``gpu_memory_utilization``; a busy GPU (a neighbour engine) is not a reason to refuse. Stock
+    runs on a copy of the snapshot whose free memory is the device's total: what it returns is
+    what it would with the device free, and any other refusal (0.32's externally held weights
+    over the utilization, a bad setting) raises as it does without kvasync. The settings the
+    plugin cannot honour are refused first (``check_cache_config``).
+    """
+
+    def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
+        check_cache_config(cache_config, settings)
+        as_free = copy.copy(init_snapshot)  # a dataclass copy: no new measure
+        as_free.free_memory = init_snapshot.total_memory
+        return stock(as_free, cache_config, *args, **kwargs)
+
+    request_memory.kvasync_stock = stock  # type: ignore[attr-defined]
+    return request_memory
+
+
+def _patch_worker(settings: PluginSettings, found: dict[str, Found]) -> None:
+    """Installs the worker's and the executor's patches, one adapter per shape found."""
+    from ._worker import (
+        allocate_kv_cache_tensors,
+        kv_layout_for,
+        one_backing_geometry,
+        one_backing_layout,
+        per_layer_geometry,
+    )
+
+    def allocate(geometry: Any, device: Any, vllm_config: Any) -> Any:
         if workers_in_own_processes(vllm_config.parallel_config.distributed_executor_backend):
             # A worker process: the EngineCore's allocator decides, this rank maps.
             from ._ranks import rank_kv_cache_tensors
 
             distributed = importlib.import_module("vllm.distributed")
-
             return rank_kv_cache_tensors(
-                kv_cache_config,
+                geometry,
                 device=device,
                 vllm_config=vllm_config,
                 settings=settings,
                 rank=int(distributed.get_tensor_model_parallel_rank()),
-                **layers,
             )
         return allocate_kv_cache_tensors(
-            kv_cache_config, device=device, vllm_config=vllm_config, settings=settings, **layers
+            geometry, device=device, vllm_config=vllm_config, settings=settings
         )
 
-    def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
-        return allocate_tensors(
-            kv_cache_config,
-            self.device,
-            self.vllm_config,
-            skip_layers=frozenset(self.runner_only_attn_layers),
-        )
+    def current_vllm_config() -> Any:
+        # The runners allocate inside Worker.initialize_from_config, which vLLM's worker
+        # wrapper runs under set_current_vllm_config.
+        return importlib.import_module("vllm.config").get_current_vllm_config()
 
-    def kv_cache_tensors_v2(kv_cache_config: Any, shared_layers: Any, device: Any) -> Any:
-        # Called inside Worker.initialize_from_config, under vLLM's set_current_vllm_config.
-        current = importlib.import_module("vllm.config").get_current_vllm_config
+    layout_of: Callable[[Any], Any] = kv_layout_for
+    if found["runner-allocate"].present:  # the per-layer shape (0.26-0.28)
 
-        return allocate_tensors(
-            kv_cache_config, device, current(), shared_layers=frozenset(shared_layers)
-        )
+        def kv_cache_tensors(self: Any, kv_cache_config: Any) -> Any:
+            geometry = per_layer_geometry(
+                kv_cache_config, skip_layers=frozenset(self.runner_only_attn_layers)
+            )
+            return allocate(geometry, self.device, self.vllm_config)
 
-    stock_init: Callable[[Any, Any], None] = executor_init[2]
+        def kv_cache_tensors_v2(kv_cache_config: Any, shared_layers: Any, device: Any) -> Any:
+            geometry = per_layer_geometry(kv_cache_config, shared_layers=frozenset(shared_layers))
+            return allocate(geometry, device, current_vllm_config())
+
+        found["runner-allocate"].replace(kv_cache_tensors)
+        found["v2-runner-allocate"].replace(kv_cache_tensors_v2)
+    if found["allocate-kv-cache"].present:  # the one-backing shape (0.29-)
+        stock_allocate: Callable[..., Any] = found["allocate-kv-cache"].value
+        layout_of = one_backing_layout
+
+        def allocate_kv_cache(
+            kv_cache_config: Any, device: Any, layout: Any, kernel_block_sizes: Any = None
+        ) -> Any:
+            geometry = one_backing_geometry(
+                kv_cache_config, stock_allocate, layout, kernel_block_sizes
+            )
+            return allocate(geometry, device, current_vllm_config())
+
+        allocate_kv_cache.kvasync_stock = stock_allocate  # type: ignore[attr-defined]
+        for key in ("allocate-kv-cache", "runner-allocate-kv-cache", "v2-runner-allocate-kv-cache"):
+            found[key].replace(allocate_kv_cache)
+
+    stock_init: Callable[[Any, Any], None] = found["executor-init"].value
 
     def initialize_from_config(self: Any, kv_cache_configs: Any) -> None:
         if executor_kind(self) == "uni":
             return stock_init(self, kv_cache_configs)
         from ._engine import take_engine
 
-        holder = _open_engine_for_workers(self, kv_cache_configs, settings)
+        holder = _open_engine_for_workers(self, kv_cache_configs, settings, layout_of)
         try:
             stock_init(self, kv_cache_configs)  # the workers join, map block 0's page, compile
             holder.wait()
@@ -512,26 +534,17 @@ def _patch_worker(
             raise
         return None
 
-    stock_available: Callable[[Any], int] = available[2]
+    stock_available: Callable[[Any], int] = found["determine-available-memory"].value
 
     def determine_available_memory(self: Any) -> int:
         # vLLM's own branch for a given KV size: it runs the profile (compile) pass and skips
-        # the free-memory profile, which a neighbour's allocations or releases would upset.
+        # the free-memory profile, which a neighbour's allocations or releases would upset. A
+        # size the user set was refused at start (check_cache_config), so none is overwritten.
+        check_cache_config(self.cache_config, settings)
+        check_connector(self.vllm_config)
         self.cache_config.kv_cache_memory_bytes = settings.capacity_bytes
         return stock_available(self)
 
-    stock_request: Callable[[Any, Any], int] = request[2]
-
-    def request_memory(init_snapshot: Any, cache_config: Any) -> int:
-        # The KV cache is not taken at start, so free memory need not cover
-        # gpu_memory_utilization; a busy GPU (a neighbour engine) is not a reason to refuse.
-        try:
-            return stock_request(init_snapshot, cache_config)
-        except ValueError:
-            return int(init_snapshot.free_memory)
-
-    _replace(allocate[0], allocate[1], kv_cache_tensors)
-    _replace(allocate_v2[0], allocate_v2[1], kv_cache_tensors_v2)
-    _replace(available[0], available[1], determine_available_memory)
-    _replace(request[0], request[1], request_memory)
-    _replace(executor_init[0], executor_init[1], initialize_from_config)
+    found["executor-init"].replace(initialize_from_config)
+    found["determine-available-memory"].replace(determine_available_memory)
+    found["request-memory"].replace(lift_free_memory_check(found["request-memory"].value, settings))

@@ -22,10 +22,11 @@ from ... import _core, _cuda
 from ..._config import Config
 from ..._errors import AllocTimeout, KVAsyncError, MapError
 from ..._group import RankMapper, TensorParallel, group_geometry
+from ..._layout import KVLayout
 from ..._sync import SyncAllocator, open_allocator_sync
 from ._engine import EngineKV, hold_null_block
 from ._settings import PluginSettings
-from ._worker import kv_layout_for, reserve_pages_for
+from ._worker import KVGeometry, kv_layout_for, per_layer_geometry, reserve_pages_for
 
 __all__ = [
     "NullBlockHolder",
@@ -64,20 +65,22 @@ def open_scheduler_engine(
     page_size: int,
     group: str | None = None,
     map_timeout: float = _MAP_TIMEOUT,
+    layout_of: Callable[[Any], KVLayout] = kv_layout_for,
 ) -> EngineKV:
     """The EngineCore's allocator: the scheduler of a group of ``num_ranks`` worker processes.
 
     It reserves address space of the workers' geometry on the host backend (never mapped: the
     ``TensorParallel(map_local=False)`` scheduler holds no KV memory), and every map it makes is
     made by each rank's ``RankMapper`` before an alloc completes. ``page_size``: bytes per range
-    of a page id, a multiple of the ranks' device granularity.
+    of a page id, a multiple of the ranks' device granularity. ``layout_of``: the kvasync
+    layout of a worker's KV cache config, as this vLLM's allocation shape lays it out.
 
     Raises:
         ValueError: the workers' KV caches differ (the plugin lays out one geometry), or a KV
             cache it does not lay out (``kv_layout_for``).
         KVAsyncError: the group's name is in use by a live EngineCore.
     """
-    layouts = {kv_layout_for(config) for config in kv_cache_configs}
+    layouts = {layout_of(config) for config in kv_cache_configs}
     blocks = {int(config.num_blocks) for config in kv_cache_configs}
     if len(layouts) != 1 or len(blocks) != 1:
         raise ValueError(
@@ -195,6 +198,7 @@ def open_rank_tensors(
     range_tensor: Callable[[_core.Backend, int], torch.Tensor],
     zero: bool = True,
     timeout: float = _JOIN_TIMEOUT,
+    geometry: KVGeometry | None = None,
 ) -> RankKV:
     """Joins ``group`` as ``rank`` and returns views over this process's ranges.
 
@@ -207,16 +211,18 @@ def open_rank_tensors(
         KVAsyncError: no group within ``timeout``, a geometry that is not this worker's, a rank
             taken, or block 0's page not mapped in time.
     """
-    layout = kv_layout_for(kv_cache_config)
-    geometry = group_geometry(group, timeout)
-    needed = int(kv_cache_config.num_blocks) * layout.range_block_bytes
-    span = geometry["num_pages"] * geometry["page_size"]
-    if geometry["num_ranges"] != layout.num_ranges or span < needed:
+    if geometry is None:
+        geometry = per_layer_geometry(kv_cache_config)
+    layout = geometry.layout
+    found = group_geometry(group, timeout)
+    needed = geometry.num_blocks * layout.range_block_bytes
+    span = found["num_pages"] * found["page_size"]
+    if found["num_ranges"] != layout.num_ranges or span < needed:
         raise KVAsyncError(
-            f"kvasync's vLLM plugin: group {group!r} has {geometry['num_ranges']} ranges of "
+            f"kvasync's vLLM plugin: group {group!r} has {found['num_ranges']} ranges of "
             f"{span} bytes, this worker's KV cache needs {layout.num_ranges} of {needed}"
         )
-    backend = make_backend(geometry["num_ranges"], geometry["num_pages"], geometry["page_size"])
+    backend = make_backend(found["num_ranges"], found["num_pages"], found["page_size"])
     mapper = RankMapper(group, rank, backend, timeout=timeout)
     try:
         deadline = time.monotonic() + timeout
@@ -238,10 +244,7 @@ def open_rank_tensors(
         if zero:
             for view in views:
                 view[: layout.range_block_bytes].zero_()
-        tensors: dict[str, torch.Tensor] = {}
-        for index, tensor in enumerate(kv_cache_config.kv_cache_tensors):
-            for layer_name in tensor.shared_by:
-                tensors[layer_name] = views[index]
+        tensors = geometry.build(views)
     except BaseException:
         mapper.close()
         raise
@@ -255,17 +258,16 @@ def cuda_page_size(layout_bytes: int, device: int) -> int:
 
 
 def rank_kv_cache_tensors(
-    kv_cache_config: Any,
+    geometry: KVGeometry,
     *,
     device: torch.device,
     vllm_config: Any,
     settings: PluginSettings,
     rank: int,
-    skip_layers: frozenset[str] = frozenset(),
-    shared_layers: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """What vLLM's KV allocation returns in a worker process: views over this rank's cuda range,
-    mapped as the EngineCore's allocator decides (its group: ``group_name_for(os.getppid())``).
+    """What vLLM's KV allocation returns in a worker process (either shape, ``geometry``):
+    views over this rank's cuda range, mapped as the EngineCore's allocator decides (its group:
+    ``group_name_for(os.getppid())``).
 
     Raises:
         ValueError: a KV cache this plugin does not lay out, or tensors that do not cover the
@@ -279,7 +281,7 @@ def rank_kv_cache_tensors(
     if _rank is not None:  # a KV cache sized again: the earlier views are gone by then
         _rank.close()
         _rank = None
-    layout = kv_layout_for(kv_cache_config)
+    layout = geometry.layout
     ordinal = device.index if device.index is not None else torch.cuda.current_device()
 
     def make_backend(num_ranges: int, num_pages: int, page_size: int) -> _core.Backend:
@@ -309,27 +311,15 @@ def rank_kv_cache_tensors(
         return backend
 
     ranked = open_rank_tensors(
-        kv_cache_config,
+        None,
         rank=rank,
         group=group_name_for(os.getppid()),
         make_backend=make_backend,
         range_tensor=range_tensor,
+        geometry=geometry,
     )
-    expected = {
-        name
-        for group in kv_cache_config.kv_cache_groups
-        for name in group.layer_names
-        if name not in skip_layers
-    }
-    tensors = ranked.tensors  # as the in-process path returns them (_worker)
-    if expected != set(tensors) | shared_layers:
-        ranked.close()
-        raise ValueError(
-            "kvasync's vLLM plugin: the KV tensors do not cover the attention layers "
-            f"(missing {sorted(expected - set(tensors))}, extra {sorted(set(tensors) - expected)})"
-        )
     _rank = ranked
-    return tensors
+    return ranked.tensors
 
 
 _rank: RankKV | None = None

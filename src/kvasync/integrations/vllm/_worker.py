@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,7 +16,17 @@ from ..._sync import open_allocator_sync
 from ._engine import EngineKV, hold_null_block, register_engine, take_engine
 from ._settings import PluginSettings
 
-__all__ = ["allocate_kv_cache_tensors", "kv_layout_for", "reserve_pages_for", "step_blocks"]
+__all__ = [
+    "KVGeometry",
+    "allocate_kv_cache_tensors",
+    "kv_layout_for",
+    "one_backing_geometry",
+    "one_backing_layout",
+    "per_layer_geometry",
+    "rebase",
+    "reserve_pages_for",
+    "step_blocks",
+]
 
 logger = logging.getLogger("kvasync.vllm")
 
@@ -74,6 +86,148 @@ def kv_layout_for(kv_cache_config: Any) -> KVLayout:
     )
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """kvasync's side of one vLLM KV allocation: the layout of the allocator's ranges, and what
+    vLLM's allocation returns, built from views over them (``build(ranges)``: one int8 tensor of
+    ``num_blocks * range_block_bytes`` per range). The worker and rank paths are written against
+    this alone; each allocation shape of vLLM has its own (Note [vLLM seams])."""
+
+    layout: KVLayout
+    num_blocks: int
+    build: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def per_layer_geometry(
+    kv_cache_config: Any,
+    *,
+    skip_layers: frozenset[str] = frozenset(),
+    shared_layers: frozenset[str] = frozenset(),
+) -> KVGeometry:
+    """The per-layer shape (vLLM 0.26-0.28): an int8 tensor per layer, range ``i`` the bytes of
+    ``kv_cache_tensors[i]``. Layers in ``skip_layers`` (the V1 runner's runner-only layers) and
+    ``shared_layers`` (layers reading another layer's cache) get no tensor, as in vLLM.
+
+    Raises:
+        ValueError: a KV cache this plugin does not lay out (``kv_layout_for``); from ``build``,
+            tensors that do not cover the attention layers.
+    """
+    layout = kv_layout_for(kv_cache_config)
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    expected = {
+        name
+        for group in kv_cache_config.kv_cache_groups
+        for name in group.layer_names
+        if name not in skip_layers
+    }
+
+    def build(ranges: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        raw: dict[str, torch.Tensor] = {}
+        for tensor, view in zip(tensors, ranges, strict=True):
+            if view.numel() != int(tensor.size):  # a bug here, never a silent misfit
+                raise RuntimeError(
+                    f"kvasync range holds {view.numel()} bytes, vLLM expects {tensor.size}"
+                )
+            for layer_name in tensor.shared_by:
+                raw[layer_name] = view
+        if expected != set(raw) | shared_layers:
+            raise ValueError(
+                "kvasync's vLLM plugin: the KV tensors do not cover the attention layers "
+                f"(missing {sorted(expected - set(raw))}, extra {sorted(set(raw) - expected)})"
+            )
+        return raw
+
+    return KVGeometry(layout, int(kv_cache_config.num_blocks), build)
+
+
+def one_backing_layout(kv_cache_config: Any) -> KVLayout:
+    """The kvasync layout of the one-backing shape (vLLM 0.29-): one range, a block of
+    ``block_stride`` bytes, which holds block ``b`` of every layer when the KV cache layout puts
+    blocks outermost.
+
+    Raises:
+        ValueError: a layout whose layers keep their blocks in regions of their own, or tensors
+            of several block strides or sizes: the message names what differs and the setting.
+    """
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    num_blocks = int(kv_cache_config.num_blocks)
+    if not tensors or num_blocks <= 0:
+        raise ValueError("kvasync's vLLM plugin: the KV cache config has no tensors")
+    strides = {int(t.block_stride) for t in tensors}
+    sizes = {int(t.size) for t in tensors}
+    stride = max(strides)
+    inside = all(
+        int(t.offset) + (len(t.layers) - 1) * int(t.layer_stride) < int(t.block_stride)
+        for t in tensors
+    )
+    if len(strides) != 1 or sizes != {num_blocks * stride} or not inside:
+        raise ValueError(
+            "kvasync's vLLM plugin maps a block of every layer as one run of bytes, and this "
+            f"KV cache keeps them apart (block strides {sorted(strides)}, sizes {sorted(sizes)} "
+            f"for {num_blocks} blocks, layer strides "
+            f"{sorted({int(t.layer_stride) for t in tensors})}): set "
+            "VLLM_KV_CACHE_LAYOUT=BLNHC (a block-outermost layout), or run without kvasync"
+        )
+    block_sizes = {int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups}
+    block_size = min(block_sizes) if block_sizes else 1
+    if stride % block_size:
+        block_size = 1  # kvasync's block_size only counts tokens for the reserve's headroom
+    return KVLayout(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=stride // block_size,
+        block_size=block_size,
+        dtype=torch.int8,
+        kv_buffers=1,
+    )
+
+
+def rebase(views: dict[str, torch.Tensor], backing: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each of ``views`` (vLLM's, over a backing of its own: here on the meta device) as the same
+    view of ``backing`` (int8, contiguous): same dtype, shape, strides and storage offset, so the
+    same bytes. A name whose view is another's (a shared layer) stays so."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, view in views.items():
+        if id(view) in done:
+            out[name] = done[id(view)]
+            continue
+        base = typed.get(view.dtype)
+        if base is None:
+            base = typed[view.dtype] = backing.view(view.dtype)
+        out[name] = done[id(view)] = torch.as_strided(
+            base, view.shape, view.stride(), view.storage_offset()
+        )
+    return out
+
+
+def one_backing_geometry(
+    kv_cache_config: Any,
+    stock_allocate: Callable[..., dict[str, torch.Tensor]],
+    layout: Any,
+    kernel_block_sizes: Any,
+) -> KVGeometry:
+    """The one-backing shape (vLLM 0.29-): vLLM's own ``allocate_kv_cache`` runs on the meta
+    device, and its views are rebased onto kvasync's one range (``rebase``), so every view has
+    the shape, strides and dtype vLLM gives it.
+
+    Raises:
+        ValueError: a KV cache this plugin does not lay out (``one_backing_layout``).
+    """
+    kv_layout = one_backing_layout(kv_cache_config)
+    size = int(kv_cache_config.kv_cache_tensors[0].size)
+
+    def build(ranges: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        (backing,) = ranges
+        if backing.numel() < size:  # a bug here, never a silent misfit
+            raise RuntimeError(f"kvasync range holds {backing.numel()} bytes, vLLM needs {size}")
+        meta = stock_allocate(kv_cache_config, torch.device("meta"), layout, kernel_block_sizes)
+        return rebase(meta, backing[:size])
+
+    return KVGeometry(kv_layout, int(kv_cache_config.num_blocks), build)
+
+
 def step_blocks(vllm_config: Any, block_size: int) -> int:
     """The most blocks one scheduler step allocates: the longest request's, or a full batch of
     new tokens, and one more per running sequence (a partly filled block each). The reserve
@@ -93,42 +247,43 @@ def reserve_pages_for(layout: KVLayout, page_size: int, headroom_blocks: int) ->
 
 
 def allocate_kv_cache_tensors(
-    kv_cache_config: Any,
+    geometry: KVGeometry,
     *,
     device: torch.device,
     vllm_config: Any,
     settings: PluginSettings,
-    skip_layers: frozenset[str] = frozenset(),
-    shared_layers: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
-    """What vLLM's KV allocation returns (``GPUModelRunner._allocate_kv_cache_tensors`` in the
-    V1 runner, ``gpu.attn_utils._allocate_kv_cache`` in the V2 one), over a kvasync allocator.
+    """What vLLM's KV allocation returns (either shape, ``geometry``), over a kvasync allocator.
 
     The allocator reserves the virtual ranges of all ``num_blocks`` (the capacity the budget
     gave vLLM) and maps nothing but the null block's page; the scheduler's pool hands out blocks
-    only on mapped pages. The allocator is registered for this process's block pool. Layers in
-    ``skip_layers`` (the V1 runner's runner-only layers) and ``shared_layers`` (layers reading
-    another layer's cache) get no tensor, as in vLLM.
+    only on mapped pages. The allocator is registered for this process's block pool.
 
     Raises:
-        ValueError: a KV cache this plugin does not lay out (``kv_layout_for``).
+        ValueError: a KV cache this plugin does not lay out (from ``geometry.build``).
         KVAsyncError: the cuda backend cannot be used here.
     """
     from ..._backends import page_size_for
 
-    layout = kv_layout_for(kv_cache_config)
+    layout = geometry.layout
     previous = take_engine()
     if previous is not None:
         # vLLM sizes a minimal KV cache to profile CUDA graphs, then the real one: the minimal
         # one's views are dropped by then, and its allocator goes with them.
         previous.allocator.close()
-    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    # vLLM's GPU worker passes a cuda device; a CPU device (the worker-seam test) gets the host
+    # backend, the same allocator over host memory.
+    cuda = device.type == "cuda"
+    ordinal = (
+        (device.index if device.index is not None else torch.cuda.current_device()) if cuda else 0
+    )
+    backend = "cuda" if cuda else "host"
     headroom = step_blocks(vllm_config, layout.block_size)
     name = settings.name or f"vllm:{vllm_config.model_config.served_model_name}"
     base = Config(
-        backend="cuda",
+        backend=backend,
         device=ordinal,
-        max_blocks=int(kv_cache_config.num_blocks),
+        max_blocks=geometry.num_blocks,
         memory_limit=settings.memory_limit,
         share=settings.share,
         device_budget=settings.device_budget,
@@ -138,7 +293,7 @@ def allocate_kv_cache_tensors(
     page_size = layout.page_unit(page_size_for(layout, base))
     reserve = reserve_pages_for(layout, page_size, headroom)
     config = Config(
-        backend="cuda",
+        backend=backend,
         device=ordinal,
         max_blocks=base.max_blocks,
         memory_limit=settings.memory_limit,
@@ -152,31 +307,12 @@ def allocate_kv_cache_tensors(
     try:
         hold_null_block(kv, _OPEN_TIMEOUT)
         kv.zero([0])  # vLLM's own tensors start as zeros; padded reads land in block 0
-        raw: dict[str, torch.Tensor] = {}
-        for index, tensor in enumerate(kv_cache_config.kv_cache_tensors):
-            view = kv.layer(index)[0].view(-1)
-            if view.numel() != int(tensor.size):  # a bug here, never a silent misfit
-                raise RuntimeError(
-                    f"kvasync range {index} holds {view.numel()} bytes, vLLM expects {tensor.size}"
-                )
-            for layer_name in tensor.shared_by:
-                raw[layer_name] = view
-        expected = {
-            name
-            for group in kv_cache_config.kv_cache_groups
-            for name in group.layer_names
-            if name not in skip_layers
-        }
-        if expected != set(raw) | shared_layers:
-            raise ValueError(
-                "kvasync's vLLM plugin: the KV tensors do not cover the attention layers "
-                f"(missing {sorted(expected - set(raw))}, extra {sorted(set(raw) - expected)})"
-            )
+        raw = geometry.build([kv.layer(i)[0].view(-1) for i in range(layout.num_ranges)])
         stream_device = torch.device("cuda", ordinal)
         register_engine(
             EngineKV(
                 allocator=kv,
-                fence=lambda: torch.cuda.current_stream(stream_device),
+                fence=(lambda: torch.cuda.current_stream(stream_device)) if cuda else None,
                 prefix_cache_blocks=(
                     None
                     if settings.prefix_cache_bytes is None
