@@ -22,6 +22,7 @@ A plain script, not a pytest module: ``python tests/vllm_matrix.py --help``.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
 import fnmatch
@@ -566,8 +567,20 @@ def run_version(
     vllm_env = dict(env, PYTHONPATH=str(SUPPORT))
     cpu = ["-p", "kvasync_matrix_cpu"]
     pool = ["-p", "kvasync.integrations.vllm.pytest_vllm"]
-    run_suite(row.suites["kvasync"], py, src, cpu + pool, vllm_env, logs, args)
-    run_suite(row.suites["stock"], py, src, cpu, vllm_env, logs, args)
+    sides = [(row.suites["kvasync"], cpu + pool), (row.suites["stock"], cpu)]
+    if args.sides_at_once:
+        # Two pytest processes over one venv and source tree: each writes only its own junit,
+        # log and (PYTHONDONTWRITEBYTECODE) no bytecode.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool_of_two:
+            done = [
+                pool_of_two.submit(run_suite, suite, py, src, extra, vllm_env, logs, args)
+                for suite, extra in sides
+            ]
+            for future in done:
+                future.result()
+    else:
+        for suite, extra in sides:
+            run_suite(suite, py, src, extra, vllm_env, logs, args)
     stock, ours = row.suites["stock"].outcomes, row.suites["kvasync"].outcomes
     row.kvasync_only_fails = sorted(
         t for t, o in stock.items() if o == "passed" and ours.get(t) != "passed"
@@ -675,6 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         help="torch's CPU build, as pip finds it (a wheel file, or a pin its find-links serve)",
     )
     parser.add_argument("--with-scheduler", action="store_true", help="add test_scheduler.py")
+    parser.add_argument(
+        "--sides-at-once",
+        action="store_true",
+        help="run vLLM's tests with kvasync's pool and on stock at the same time (2 processes)",
+    )
     parser.add_argument(
         "--setup-only", action="store_true", help="make the venvs and source trees, run nothing"
     )
