@@ -476,7 +476,11 @@ def run_suite(
     )
     suite.seconds = time.monotonic() - start
     summaries = [line for line in out.splitlines() if PYTEST_SUMMARY.search(line)]
-    last = summaries[-1].strip("= ") if summaries else "(no pytest summary)"
+    errors = [line for line in out.splitlines() if "Error" in line or "Exception" in line]
+    if summaries:
+        last = summaries[-1].strip("= ")
+    else:  # pytest did not get to its summary (a plugin refused at start): say why
+        last = "no pytest summary; " + (errors[-1].strip()[:300] if errors else "no error line")
     print(f"  {suite.name}: exit {suite.rc} in {suite.seconds:.0f} s: {last}", flush=True)
     if suite.rc not in (0, 1):
         suite.problem = f"pytest exit {suite.rc}: {last}"
