@@ -585,16 +585,25 @@ def run_version(
     else:
         for suite, extra in sides:
             run_suite(suite, py, src, extra, vllm_env, logs, args)
-    stock, ours = row.suites["stock"].outcomes, row.suites["kvasync"].outcomes
-    row.kvasync_only_fails = sorted(
-        t for t, o in stock.items() if o == "passed" and ours.get(t) != "passed"
-    )
-    row.stock_only_fails = sorted(
-        t for t, o in ours.items() if o == "passed" and stock.get(t) != "passed"
-    )
+    compare(row)
     row.undocumented = undocumented(row, known)
     row.seconds = time.monotonic() - start
     return row
+
+
+def compare(row: Row) -> None:
+    """The tests one side passes and the other does not; none where a side did not run (its
+    problem fails the row already, and every test would show as a difference)."""
+    stock, ours = row.suites["stock"], row.suites["kvasync"]
+    if stock.problem or ours.problem:
+        row.kvasync_only_fails, row.stock_only_fails = [], []
+        return
+    row.kvasync_only_fails = sorted(
+        t for t, o in stock.outcomes.items() if o == "passed" and ours.outcomes.get(t) != "passed"
+    )
+    row.stock_only_fails = sorted(
+        t for t, o in ours.outcomes.items() if o == "passed" and stock.outcomes.get(t) != "passed"
+    )
 
 
 def undocumented(row: Row, known: list[dict[str, Any]]) -> list[str]:
@@ -849,7 +858,9 @@ def combine(paths: list[Path], known: list[dict[str, Any]], results: Path) -> in
         for data in record["rows"]:
             suites = {k: Suite(**v) for k, v in data.pop("suites").items()}
             row = Row(**data, suites=suites)
-            row.undocumented = undocumented(row, known)
+            if not row.problem:
+                compare(row)
+                row.undocumented = undocumented(row, known)
             rows.append(row)
     versions = [r.version for r in rows]
     if len(set(versions)) != len(versions):
