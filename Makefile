@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install lint typecheck bench soak clean sanitize vllm-test
+.PHONY: demo test install lint typecheck bench soak clean sanitize vllm-test vllm-matrix
 
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,22 +71,29 @@ soak: install
 bench: install
 	$(PY) bench/bench_alloc.py
 
-# Not in CI (vLLM 0.26.0 and its source tree take GBs): the plugin's tests with vLLM importable,
-# then vLLM's own scheduler tests (tests/v1/core) with kvasync's BlockPool in place
-# (-p kvasync.integrations.vllm.pytest_vllm), then the same tests on stock vLLM, to compare.
-# VLLM_PY: a Python where vLLM 0.26.0 and this kvasync import (README, "Use with vLLM");
-# VLLM_SRC: vLLM 0.26.0's source tree (its sdist, or a clone at tag v0.26.0).
-VLLM_PY ?= python3
-VLLM_SRC ?= ../vllm-0.26.0
-# test_scheduler.py is left out: on a CPU machine its tests time out on stock vLLM too.
-VLLM_TESTS ?= tests/v1/core/test_prefix_caching.py tests/v1/core/test_kv_cache_utils.py \
-	tests/v1/core/test_single_type_kv_cache_manager.py
-vllm-test:
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_plugin.py
-	cd $(VLLM_SRC) && $(VLLM_PY) -m pytest -q -p no:cacheprovider --timeout 20 -rf \
-		-p kvasync.integrations.vllm.pytest_vllm $(VLLM_TESTS) | grep -v "^ERROR" | tail -30
-	cd $(VLLM_SRC) && $(VLLM_PY) -m pytest -q -p no:cacheprovider --timeout 20 -rf \
-		$(VLLM_TESTS) | grep -v "^ERROR" | tail -30
+# Not in CI (each vLLM venv and source tree takes GBs; cached under VLLM_CACHE between runs).
+# vllm-matrix: for each release in VLLM_VERSIONS a venv installed as the README says for a CPU
+# machine, vLLM's sdist for its tests and this tree as one wheel; runs the plugin's tests
+# (tests/test_vllm_*.py), then vLLM's KV-cache tests from tests/v1/core with kvasync's pool and
+# on stock. Prints one table, writes docs/vllm/matrix-results.md (+ .json), and fails on a suite
+# that did not run, was skipped wholesale, a plugin test failure, or a difference from stock not
+# in docs/vllm/known-differences.toml. VLLM_MATRIX_ARGS: e.g. --mode ends (the two ends in full,
+# the releases between on the plugin's tests, prefix caching and the single-type manager).
+# vllm-test: the same for one release (VLLM_VERSION). tests/vllm_matrix.py --help for the rest.
+VLLM_VERSIONS ?= 0.26.0 0.27.0 0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
+VLLM_VERSION ?= 0.26.0
+VLLM_CACHE ?= $(HOME)/.cache/kvasync/vllm-matrix
+VLLM_MATRIX_ARGS ?=
+# torch's CPU build whatever the machine: the tests run on the CPU, and an unpinned torch is a
+# multi-GB CUDA download.
+VLLM_TORCH ?= torch==2.13.0
+VLLM_MATRIX := $(PY) tests/vllm_matrix.py --python $(PYTHON) --torch "$(VLLM_TORCH)" \
+	--cache-dir "$(VLLM_CACHE)"
+vllm-matrix: install
+	$(VLLM_MATRIX) --versions "$(VLLM_VERSIONS)" $(VLLM_MATRIX_ARGS)
+
+vllm-test: install
+	$(VLLM_MATRIX) --versions "$(VLLM_VERSION)" $(VLLM_MATRIX_ARGS)
 
 clean:
 	rm -rf build $(VENV)

@@ -35,7 +35,8 @@ before/after table in one run.
 ``--profile`` then runs kvasync's pool under cProfile for one pass of each caching setting and
 prints the functions with the most time of their own.
 
-Runs where vLLM 0.26 imports (``/work/vllm-venv/bin/python bench/bench_vllm_scheduler.py``); no
+Runs where vLLM 0.26 imports (``make vllm-test`` makes such a venv, under
+``~/.cache/kvasync/vllm-matrix/0.26.0/venv``); no
 GPU is used. Usage: bench/bench_vllm_scheduler.py [--rounds N] [--caching on|off|both]
 [--requests N] [--prompt T] [--output T] [--before REV] [--profile] [--quick]
 """
@@ -97,7 +98,8 @@ try:
 except ImportError as error:
     sys.exit(
         f"bench_vllm_scheduler needs vLLM 0.26 importable ({error}); run it with a Python that "
-        "has vLLM and kvasync (e.g. /work/vllm-venv/bin/python)"
+        "has vLLM and kvasync (make vllm-test VLLM_VERSION=0.26.0 makes one: "
+        "~/.cache/kvasync/vllm-matrix/0.26.0/venv/bin/python)"
     )
 
 BLOCK_SIZE = 16  # tokens a block, vLLM's default

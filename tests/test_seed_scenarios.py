@@ -1,4 +1,4 @@
-"""The hangs of /work/shared/seeds/, replayed against kvasync: each must end, within a deadline.
+"""The hangs of the shared seeds, replayed against kvasync: each must end, within a deadline.
 
 * Two engines start at the same moment with the reserve on and maps stalling (seed 001, repro A):
   both must come up and serve allocations within their deadlines, round after round.
