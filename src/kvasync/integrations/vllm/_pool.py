@@ -161,6 +161,7 @@ block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free se
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -850,10 +851,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             after = self._fence() if self._fence is not None else None
             # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
             # block]).
-            try:
+            # A closed allocator and its pages are gone (Note [When the allocator fails]): vLLM's
+            # shutdown ends its requests after the stop, and their frees give back nothing.
+            with contextlib.suppress(AllocatorClosed):
                 self._kv.free([b.block_id for b in reversed(blocks)], after=after)
-            except AllocatorClosed as error:
-                raise self._closed(error) from error
             self._taken -= len(blocks)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
@@ -868,7 +869,10 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             draining pages."""
             queue = self.cached_free_queue
             keep = self._keep_cached
-            drain = self._drain()
+            try:
+                drain = self._drain()
+            except AllocatorClosed:  # gone with its pages: vLLM's shutdown frees after the stop
+                return
             if drain is not None:
                 draining = [b for b in queue.get_all_free_blocks() if b.block_id >= drain]
                 for block in draining:
