@@ -164,7 +164,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import os
 import sys
 import time
 import weakref
@@ -193,20 +192,6 @@ _LOG_INTERVAL = 30.0
 # While no block is asked and none is available, how often the count looks whether the
 # allocator was closed (a closed allocator has none available, and raises nothing there).
 _CLOSED_PROBE_INTERVAL = 0.05
-
-
-# Pools whose count reads the allocator's pool directly (``_available_blocks``): in a forked
-# child each goes back to the Allocator's checked method, which raises ``AllocatorClosed`` there
-# (the pool's threads and locks are the parent's) instead of taking a lock no thread will free.
-_DIRECT_READERS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for pool in list(_DIRECT_READERS):
-        pool._available_blocks = pool._kv.allocator.available_blocks
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Demand(NamedTuple):
@@ -496,15 +481,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
-            # Read for every running request every step: the allocator's pool's own, without
-            # the Allocator's Python frame, whose one job here is its fork check (Note [Fork] in
-            # _allocator). That check is made once now (it raises in a forked child of the
-            # allocator's process), and a fork after it gives a child's pools the checked
-            # method back (_after_fork_in_child).
-            allocator = engine.allocator.allocator
-            allocator.available_blocks()
-            self._available_blocks: Callable[[], int] = allocator._pool.available_blocks
-            _DIRECT_READERS.add(self)
+            # Read for every running request every step; the Allocator's checked method (its
+            # one int comparison raises AllocatorClosed when closed or in a forked child).
+            self._available_blocks: Callable[[], int] = engine.allocator.allocator.available_blocks
             self._drain = engine.allocator.allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks

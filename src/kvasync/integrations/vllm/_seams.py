@@ -280,7 +280,8 @@ def _probe_pool(pool_class: Any, *, reuse_watchers: bool) -> str | None:
         (hasattr(pool, "metrics_collector"), "metrics_collector"),
     ]
     if reuse_watchers:
-        checks.append((isinstance(pool._reuse_watchers, dict), "_reuse_watchers (a dict)"))
+        watchers = getattr(pool, "_reuse_watchers", None)  # vLLM's own, probed by name
+        checks.append((isinstance(watchers, dict), "_reuse_watchers (a dict)"))
         checks.append((callable(getattr(pool, "_notify_reuse", None)), "_notify_reuse"))
     else:
         checks.append((not hasattr(pool, "_reuse_watchers"), "no _reuse_watchers"))
