@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 # -- allocator fixtures -----------------------------------------------------------------------
 import asyncio
 import contextlib
+import inspect
 import resource
 import signal
 import socket
@@ -242,3 +243,35 @@ def lock_holder(share: str) -> Iterator[Callable[[], subprocess.Popen[str]]]:
             proc.wait(timeout=10.0)
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def calls_after_close(kv: Any, held: list[int], data: Any) -> dict[str, Callable[[], Any]]:
+    """Every public call of an allocator face (``Allocator`` or ``SyncAllocator``) that must
+    raise ``AllocatorClosed`` once it is closed (issue 27), by name; ``held`` are blocks it
+    allocated before the close and ``data`` a gather of the first."""
+    return {
+        "alloc": lambda: kv.alloc(1, timeout=1.0),
+        "alloc_nowait": lambda: kv.alloc_nowait(1),
+        "available_blocks": kv.available_blocks,
+        "set_demand": lambda: kv.set_demand(5),
+        "drain_from": kv.drain_from,
+        "free_block_ids": kv.free_block_ids,
+        "free": lambda: kv.free(held[:1]),
+        "trim": lambda: kv.trim(timeout=1.0),
+        "resize": lambda: kv.resize(memory_limit=None, timeout=1.0),
+        "gather": lambda: kv.gather(held[:1]),
+        "scatter": lambda: kv.scatter(held[:1], data),
+        "zero": lambda: kv.zero(held[:1]),
+        "copy": lambda: kv.copy(held[:1], held[1:2]),
+        "layer": lambda: kv.layer(0),
+        "add_alloc_observer": lambda: kv.add_alloc_observer(lambda waited, seconds: None),
+    }
+
+
+def public_methods(cls: type) -> set[str]:
+    """The public methods of ``cls`` (properties left out), for walks that must cover them."""
+    return {
+        name
+        for name, value in inspect.getmembers(cls)
+        if not name.startswith("_") and not isinstance(value, property)
+    }

@@ -16,7 +16,7 @@ import threading
 import anyio.from_thread
 import pytest
 import torch
-from conftest import blocks_per_page, wait_until, whole_blocks
+from conftest import blocks_per_page, calls_after_close, public_methods, wait_until, whole_blocks
 
 import kvasync
 from kvasync.testing import FaultInjector
@@ -629,29 +629,8 @@ async def test_every_public_method_raises_allocator_closed_after_close(backend_n
     held = await kv.alloc(4)
     data = kv.gather(held[:1])
     await kv.close()
-    calls = {
-        "alloc": lambda: kv.alloc(1, timeout=1.0),
-        "alloc_nowait": lambda: kv.alloc_nowait(1),
-        "available_blocks": kv.available_blocks,
-        "set_demand": lambda: kv.set_demand(5),
-        "drain_from": kv.drain_from,
-        "free_block_ids": kv.free_block_ids,
-        "free": lambda: kv.free(held[:1]),
-        "trim": lambda: kv.trim(timeout=1.0),
-        "resize": lambda: kv.resize(memory_limit=None, timeout=1.0),
-        "gather": lambda: kv.gather(held[:1]),
-        "scatter": lambda: kv.scatter(held[:1], data),
-        "zero": lambda: kv.zero(held[:1]),
-        "copy": lambda: kv.copy(held[:1], held[1:2]),
-        "layer": lambda: kv.layer(0),
-        "add_alloc_observer": lambda: kv.add_alloc_observer(lambda waited, seconds: None),
-        "__aenter__": kv.__aenter__,
-    }
-    public = {
-        name
-        for name, value in inspect.getmembers(kvasync.Allocator)
-        if not name.startswith("_") and not isinstance(value, property)
-    }
+    calls = {**calls_after_close(kv, held, data), "__aenter__": kv.__aenter__}
+    public = public_methods(kvasync.Allocator)
     still_served = {"close", "stats", "take_map_seconds", "open"}  # open: a classmethod
     assert public == set(calls) - {"__aenter__"} | still_served
     served = []

@@ -4,14 +4,13 @@ facade from many threads, and one allocator shared by a loop and threads."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import threading
 import time
 
 import anyio
 import pytest
-from conftest import wait_until
+from conftest import calls_after_close, public_methods, wait_until
 
 import kvasync
 from kvasync.testing import FaultInjector
@@ -347,29 +346,8 @@ def test_every_public_method_raises_allocator_closed_after_close():
     data = kv.gather(held[:1])
     kv.close()
     kv.close()  # idempotent
-    calls = {
-        "alloc": lambda: kv.alloc(1, timeout=1.0),
-        "alloc_nowait": lambda: kv.alloc_nowait(1),
-        "available_blocks": kv.available_blocks,
-        "set_demand": lambda: kv.set_demand(5),
-        "drain_from": kv.drain_from,
-        "free_block_ids": kv.free_block_ids,
-        "free": lambda: kv.free(held[:1]),
-        "trim": lambda: kv.trim(timeout=1.0),
-        "resize": lambda: kv.resize(memory_limit=None, timeout=1.0),
-        "gather": lambda: kv.gather(held[:1]),
-        "scatter": lambda: kv.scatter(held[:1], data),
-        "zero": lambda: kv.zero(held[:1]),
-        "copy": lambda: kv.copy(held[:1], held[1:2]),
-        "layer": lambda: kv.layer(0),
-        "add_alloc_observer": lambda: kv.add_alloc_observer(lambda waited, seconds: None),
-        "__enter__": kv.__enter__,
-    }
-    public = {
-        name
-        for name, value in inspect.getmembers(kvasync.SyncAllocator)
-        if not name.startswith("_") and not isinstance(value, property)
-    }
+    calls = {**calls_after_close(kv, held, data), "__enter__": kv.__enter__}
+    public = public_methods(kvasync.SyncAllocator)
     still_served = {"close", "stats", "take_map_seconds"}
     assert public == set(calls) - {"__enter__"} | still_served
     served = []
