@@ -111,7 +111,7 @@ from typing import Any
 
 from ._engine import EngineKV, current_engine
 from ._seams import RELEASES, Found, UnsupportedVLLM, check_all, release_key
-from ._settings import PluginSettings, read_settings
+from .._settings import PluginSettings, read_settings
 
 __all__ = ["TESTED", "UnsupportedVLLM", "register"]
 

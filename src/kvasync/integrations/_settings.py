@@ -1,4 +1,5 @@
-"""The plugin's settings, read from the environment of the vLLM process."""
+"""An engine plugin's settings (vLLM's, SGLang's), read from the environment of the engine's
+process: the same ``KVASYNC_*`` variables for every engine, and one switch per engine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ __all__ = ["PluginSettings", "read_settings"]
 
 # Each variable the plugin reads; an unknown KVASYNC_* variable is not an error (the core and
 # other integrations read their own).
-ENABLE = "KVASYNC_VLLM"
+ENABLE = "KVASYNC_VLLM"  # vLLM's switch (the default)
+SGLANG_ENABLE = "KVASYNC_SGLANG"
 SHARE = "KVASYNC_SHARE"
 DEVICE_BUDGET = "KVASYNC_DEVICE_BUDGET"
 MEMORY_LIMIT = "KVASYNC_MEMORY_LIMIT"
@@ -57,7 +59,7 @@ class PluginSettings:
             if value is not None:
                 return value
         raise ValueError(
-            f"kvasync's vLLM plugin needs {MEMORY_LIMIT} or {DEVICE_BUDGET} (with {SHARE}) to "
+            f"kvasync's engine plugin needs {MEMORY_LIMIT} or {DEVICE_BUDGET} (with {SHARE}) to "
             "size the KV cache, e.g. KVASYNC_MEMORY_LIMIT=12GiB"
         )
 
@@ -81,13 +83,15 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}: {error}") from None
 
 
-def read_settings(env: Mapping[str, str] | None = None) -> PluginSettings:
+def read_settings(
+    env: Mapping[str, str] | None = None, *, switch: str = ENABLE
+) -> PluginSettings:
     """The settings in ``env`` (``os.environ`` when None).
 
-    The plugin is enabled by ``KVASYNC_VLLM=1``, or by setting any of ``KVASYNC_SHARE``,
-    ``KVASYNC_DEVICE_BUDGET`` or ``KVASYNC_MEMORY_LIMIT``; ``KVASYNC_VLLM=0`` disables it
-    whatever else is set (the entry point is installed with kvasync, so it must be inert by
-    default).
+    The plugin is enabled by its ``switch`` (``KVASYNC_VLLM=1``, ``KVASYNC_SGLANG=1``), or by
+    setting any of ``KVASYNC_SHARE``, ``KVASYNC_DEVICE_BUDGET`` or ``KVASYNC_MEMORY_LIMIT``; the
+    switch at 0 disables it whatever else is set (the entry points are installed with kvasync, so
+    they must be inert by default).
 
     Raises:
         ValueError: a malformed value, naming the variable.
@@ -101,8 +105,8 @@ def read_settings(env: Mapping[str, str] | None = None) -> PluginSettings:
         raise ValueError(f"{DEVICE_BUDGET} needs {SHARE} (the share it budgets)")
     limit = _size(env, MEMORY_LIMIT)
     asked = share is not None or budget is not None or limit is not None
-    switch = env.get(ENABLE)
-    enabled = asked if switch is None else _flag(switch, ENABLE)
+    value = env.get(switch)
+    enabled = asked if value is None else _flag(value, switch)
     prefix = env.get(PREFIX_CACHE)
     prefix_bytes: int | None = None
     if prefix is not None and prefix.strip().lower() not in ("", "all"):

@@ -1,0 +1,206 @@
+"""kvasync inside SGLang: SGLang's KV pool as an elastic kvasync range (``pip install
+"kvasync[sglang]"``).
+
+SGLang runs ``register`` through its general-plugin entry point (``sglang.srt.plugins``) in every
+SGLang process: the one that builds the engine and each scheduler process. It is inert unless
+``KVASYNC_SGLANG=1`` or one of ``KVASYNC_SHARE``, ``KVASYNC_DEVICE_BUDGET``,
+``KVASYNC_MEMORY_LIMIT`` is set; ``KVASYNC_SGLANG=0`` turns it off whatever else is set. The other
+variables are the vLLM plugin's: ``KVASYNC_NAME`` names the engine in ``kvasync top``,
+``KVASYNC_PREFIX_CACHE`` bounds the radix cache's unused tokens that stay mapped.
+
+Note [SGLang seams]
+~~~~~~~~~~~~~~~~~~~
+SGLang's plugin API (``sglang.srt.plugins.hook_registry.HookRegistry``) wraps named functions;
+the plugin registers these hooks, each on a seam of ``_seams.SEAMS``, and nothing else:
+
+- ``KVCacheConfigurator._profile_available_bytes`` (replaced): the KV bytes are kvasync's limit
+  or budget, not the device's free memory less ``mem_fraction_static``'s slack.
+- ``MHATokenToKVPool._create_buffers_normal`` (replaced for the MHA pool): the per-layer K and
+  V buffers are views over a kvasync allocator's ranges, of which only page 0 is mapped
+  (Note [SGLang's KV buffers over kvasync] in _kv). ``_clear_buffers`` closes the allocator.
+- ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (wrapped): SGLang builds its paged
+  allocator, and the plugin returns its own subclass with the same size and page size (Note
+  [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (MLA,
+  hybrid SWA or Mamba models, a quantized or page-major pool, one token a page, PD
+  disaggregation) is refused there, at start, naming it.
+- ``Scheduler.get_next_batch_to_run`` (before): once a step, the share's demand, pressure and
+  the radix cache's bound (Note [Pressure and the radix cache] in _allocator).
+- ``SchedulerWeightUpdaterManager.release_memory_occupation`` (after): with the KV cache among
+  the tags, SGLang has flushed its cache; the plugin gives every page back and unmaps them at
+  once (page 0 stays). ``resume_memory_occupation`` needs nothing: pages are mapped as requests
+  come.
+
+Note [Refusing at start]
+~~~~~~~~~~~~~~~~~~~~~~~~
+SGLang logs an exception a plugin raises and starts without it, so a refusal raised by
+``register`` would leave an operator who asked for kvasync on stock SGLang with one log line.
+Instead ``register`` checks the version (``_seams.TESTED``; ``KVASYNC_SGLANG_ANY_VERSION=1``
+tries another) and every seam before registering any hook, and on a failure registers one hook
+alone, before ``ServerArgs.__post_init__``, that raises the refusal: the engine (or
+``launch_server``) stops with the message, which names the version or the seam.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from .._settings import SGLANG_ENABLE, PluginSettings, read_settings
+from ._seams import TESTED, UnsupportedSGLang, check_all, installed_version
+
+__all__ = ["ANY_VERSION", "TESTED", "UnsupportedSGLang", "register"]
+
+logger = logging.getLogger("kvasync.sglang")
+
+ANY_VERSION = "KVASYNC_SGLANG_ANY_VERSION"
+_RELEASE_TIMEOUT = 30.0
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_PAGED_NAME = "PagedTokenToKVPoolAllocator"
+
+
+def register() -> None:
+    """SGLang's entry point: inert unless asked for; else checks, then hooks (Note [SGLang
+    seams], Note [Refusing at start])."""
+    settings = read_settings(switch=SGLANG_ENABLE)
+    if not settings.enabled:
+        return
+    try:
+        check_version(installed_version(), os.environ.get(ANY_VERSION, "") == "1")
+        check_all()
+        settings.capacity_bytes  # noqa: B018 - raises the ValueError that names the variables
+    except (UnsupportedSGLang, ValueError) as error:
+        _refuse(str(error))
+        return
+    _install(settings)
+
+
+def check_version(version: str, any_version: bool) -> None:
+    """Refuses an SGLang not in ``TESTED`` unless ``any_version``.
+
+    Raises:
+        UnsupportedSGLang: naming the version and the tested ones.
+    """
+    if version not in TESTED and not any_version:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin was tested with SGLang {', '.join(TESTED)}, not {version}; "
+            f"{ANY_VERSION}=1 tries anyway (refusing only a seam whose signature differs)"
+        )
+
+
+def _hooks() -> Any:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    return HookRegistry, HookType
+
+
+def _refuse(message: str) -> None:
+    logger.error("kvasync: %s", message)
+    registry, kind = _hooks()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise UnsupportedSGLang(message)
+
+    registry.register("sglang.srt.server_args.ServerArgs.__post_init__", refuse, kind.BEFORE)
+
+
+def _install(settings: PluginSettings) -> None:
+    registry, kind = _hooks()
+
+    def profile(original: Any, configurator: Any, pre_model_load_memory: int) -> int:
+        from ._kv import capacity_bytes
+
+        del original, configurator, pre_model_load_memory  # no profile of free memory
+        return capacity_bytes(settings)
+
+    def create_buffers(original: Any, pool: Any) -> None:
+        from ._kv import open_kv_buffers
+
+        if getattr(pool, "enable_custom_mem_pool", False):
+            return original(pool)  # PD's NVLink pool: refused when the allocator is built
+        pool._kvasync = open_kv_buffers(pool, settings)
+        return None
+
+    def clear_buffers(result: Any, pool: Any) -> None:
+        engine = pool.__dict__.pop("_kvasync", None)
+        if engine is not None:
+            engine.close()
+
+    def build_allocator(original: Any, configurator: Any, **kwargs: Any) -> Any:
+        from ._allocator import allocator_class
+
+        pool = kwargs["token_to_kv_pool"]
+        if kwargs.get("token_to_kv_pool_allocator") is not None:
+            return original(configurator, **kwargs)  # a draft model shares the target's
+        stock = original(configurator, **kwargs)
+        if getattr(pool, "_kvasync", None) is None:
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin lays out SGLang's MHA KV pool, not "
+                f"{type(pool).__name__} (MLA, hybrid and quantized pools, and post-capture "
+                "backing, are not supported yet); unset KVASYNC_SGLANG and the KVASYNC_* "
+                "variables to run SGLang's own"
+            )
+        if type(stock).__name__ != _PAGED_NAME:
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin replaces SGLang's {_PAGED_NAME}, but this engine "
+                f"built {type(stock).__name__} (run with --page-size 16, no sliding-window "
+                "hybrid model)"
+            )
+        if stock.need_sort:
+            raise UnsupportedSGLang(
+                "kvasync's SGLang plugin does not support PD disaggregation yet "
+                "(--disaggregation-mode)"
+            )
+        return allocator_class()(
+            stock.size, stock.page_size, stock.dtype, stock.device, pool, stock.need_sort
+        )
+
+    def each_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        from ._allocator import maintain
+
+        maintain(scheduler)
+
+    def released(result: Any, updater: Any, recv_req: Any) -> None:
+        import importlib
+
+        weights = importlib.import_module(
+            "sglang.srt.managers.scheduler_components.weight_updater"
+        )
+        tags = recv_req.tags or weights.GPU_MEMORY_ALL_TYPES
+        scheduler = getattr(updater, "scheduler", None)
+        allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+        if weights.GPU_MEMORY_TYPE_KV_CACHE not in tags or not hasattr(
+            allocator, "release_memory"
+        ):
+            return
+        started = time.monotonic()
+        mapped = allocator.release_memory(_RELEASE_TIMEOUT)
+        logger.info(
+            "kvasync: SGLang released its KV cache in %.3f s; %d bytes stay mapped (page 0)",
+            time.monotonic() - started,
+            mapped,
+        )
+
+    registry.register(f"{_CONFIGURATOR}._profile_available_bytes", profile, kind.AROUND)
+    registry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, kind.AROUND)
+    registry.register(f"{_MHA_POOL}._create_buffers_normal", create_buffers, kind.AROUND)
+    registry.register(f"{_MHA_POOL}._clear_buffers", clear_buffers, kind.AFTER)
+    registry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", each_step, kind.BEFORE
+    )
+    registry.register(
+        "sglang.srt.managers.scheduler_components.weight_updater."
+        "SchedulerWeightUpdaterManager.release_memory_occupation",
+        released,
+        kind.AFTER,
+    )
+    logger.info(
+        "kvasync: SGLang plugin on (share=%s, budget=%s, limit=%s, name=%s)",
+        settings.share,
+        settings.device_budget,
+        settings.memory_limit,
+        settings.name,
+    )

@@ -1,0 +1,177 @@
+"""What the SGLang plugin touches in SGLang, checked before anything is patched.
+
+Note [SGLang seam table]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Each seam is one SGLang function or method the plugin hooks (through SGLang's own plugin API,
+``HookRegistry``) or calls, with the parameters it must have. ``check_all`` resolves every one
+and compares its signature before the plugin registers a single hook: a seam that moved is a
+refusal at start that names it, never an engine half patched (a pool from kvasync beside an
+allocator from SGLang, which would hand out slots on unmapped pages). SGLang's ``apply_hooks``
+only logs a hook it cannot apply and goes on, which is why the plugin checks first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SEAMS", "TESTED", "Seam", "UnsupportedSGLang", "check_all", "installed_version"]
+
+# The SGLang releases the plugin was run with: its seams and SGLang's own tests on the CPU, and
+# the engine end to end on an H200 (docs/sglang.md).
+TESTED: tuple[str, ...] = ("0.5.17",)
+
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_PAGED = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+
+
+class UnsupportedSGLang(RuntimeError):
+    """This SGLang, or a setting of it, is one the plugin does not run under."""
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One SGLang callable and the parameters (in order, ``self`` first for a method) the plugin
+    relies on; a ``*name`` entry is a variadic positional parameter."""
+
+    target: str
+    parameters: tuple[str, ...]
+    why: str
+
+
+SEAMS: tuple[Seam, ...] = (
+    Seam(
+        f"{_CONFIGURATOR}._profile_available_bytes",
+        ("self", "pre_model_load_memory"),
+        "capacity: the KV bytes come from kvasync's limit or budget, not a profile of free memory",
+    ),
+    Seam(
+        f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator",
+        (
+            "self",
+            "sizes",
+            "token_to_kv_pool",
+            "is_dsv4_model",
+            "req_to_token_pool",
+            "token_to_kv_pool_allocator",
+        ),
+        "the token-to-KV allocator: kvasync's paged allocator in place of SGLang's",
+    ),
+    Seam(
+        f"{_MHA_POOL}._create_buffers_normal",
+        ("self",),
+        "the KV memory: each layer's K and V buffers are views over kvasync's ranges",
+    ),
+    Seam(f"{_MHA_POOL}._clear_buffers", ("self",), "the KV memory's end: the allocator closes"),
+    Seam(
+        f"{_PAGED}.__init__",
+        ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
+        "kvasync's allocator subclasses SGLang's paged allocator",
+    ),
+    Seam(f"{_PAGED}.alloc", ("self", "need_size"), "the allocator's page-aligned alloc"),
+    Seam(
+        f"{_PAGED}.alloc_extend",
+        (
+            "self",
+            "prefix_lens",
+            "prefix_lens_cpu",
+            "seq_lens",
+            "seq_lens_cpu",
+            "last_loc",
+            "extend_num_tokens",
+            "num_new_pages",
+        ),
+        "the allocator's prefill alloc (its page count is taken first)",
+    ),
+    Seam(
+        f"{_PAGED}.alloc_decode",
+        ("self", "seq_lens", "seq_lens_cpu", "last_loc"),
+        "the allocator's decode alloc (its page count is taken first)",
+    ),
+    Seam(f"{_PAGED}._release_page_ids", ("self", "*page_ids"), "every free's one funnel"),
+    Seam(f"{_PAGED}.clear", ("self",), "a flush: every page back to kvasync"),
+    Seam(
+        "sglang.srt.mem_cache.allocator.paged.get_num_new_pages",
+        ("seq_lens", "page_size", "prefix_lens", "decode"),
+        "the pages an alloc takes, counted before SGLang's kernel runs",
+    ),
+    Seam(
+        "sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+        ("num_tokens",),
+        "eviction of the radix cache under pressure and past KVASYNC_PREFIX_CACHE",
+    ),
+    Seam(
+        f"{_SCHEDULER}.get_next_batch_to_run",
+        ("self", "running_batch", "last_batch"),
+        "once a scheduler step: the share's demand, pressure and the prefix-cache bound",
+    ),
+    Seam(
+        f"{_WEIGHTS}.release_memory_occupation",
+        ("self", "recv_req"),
+        "release_memory_occupation: the released KV pages are unmapped and go back to the share",
+    ),
+)
+
+
+def installed_version() -> str:
+    """The installed SGLang's version.
+
+    Raises:
+        UnsupportedSGLang: SGLang is not importable.
+    """
+    try:
+        module = importlib.import_module("sglang.version")
+    except ImportError as error:
+        raise UnsupportedSGLang(f"kvasync's SGLang plugin: SGLang is not importable ({error})")
+    return str(module.__version__)
+
+
+def _parameters(target: Any) -> tuple[str, ...]:
+    names = []
+    for parameter in inspect.signature(target).parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            names.append(f"*{parameter.name}")
+        elif parameter.kind is not inspect.Parameter.VAR_KEYWORD:
+            names.append(parameter.name)
+    return tuple(names)
+
+
+def check_seam(seam: Seam) -> None:
+    """Resolves ``seam.target`` and checks its parameters start with ``seam.parameters``.
+
+    Raises:
+        UnsupportedSGLang: the target is missing or its signature differs, naming both.
+    """
+    try:
+        target = pkgutil.resolve_name(seam.target)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin: seam {seam.target} ({seam.why}) is missing in this SGLang: "
+            f"{error}"
+        ) from None
+    if isinstance(target, type):
+        target = target.__init__  # a dataclass: its fields are its constructor's parameters
+        found = tuple(name for name in _parameters(target) if name != "self")
+    else:
+        found = _parameters(target)
+    if found[: len(seam.parameters)] != seam.parameters:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin: seam {seam.target} ({seam.why}) has parameters "
+            f"{found}, expected {seam.parameters} first"
+        )
+
+
+def check_all() -> None:
+    """Checks every seam in ``SEAMS``.
+
+    Raises:
+        UnsupportedSGLang: the first seam that is missing or changed.
+    """
+    for seam in SEAMS:
+        check_seam(seam)
