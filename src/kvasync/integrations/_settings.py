@@ -7,8 +7,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..._share_names import check_share
-from ..._sizes import parse_size
+from .._share_names import check_share
+from .._sizes import parse_size
 
 __all__ = ["PluginSettings", "read_settings"]
 
@@ -83,9 +83,7 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}: {error}") from None
 
 
-def read_settings(
-    env: Mapping[str, str] | None = None, *, switch: str = ENABLE
-) -> PluginSettings:
+def read_settings(env: Mapping[str, str] | None = None, *, switch: str = ENABLE) -> PluginSettings:
     """The settings in ``env`` (``os.environ`` when None).
 
     The plugin is enabled by its ``switch`` (``KVASYNC_VLLM=1``, ``KVASYNC_SGLANG=1``), or by

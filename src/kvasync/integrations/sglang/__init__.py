@@ -92,9 +92,10 @@ def check_version(version: str, any_version: bool) -> None:
 
 
 def _hooks() -> Any:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    import importlib
 
-    return HookRegistry, HookType
+    module = importlib.import_module("sglang.srt.plugins.hook_registry")
+    return module.HookRegistry, module.HookType
 
 
 def _refuse(message: str) -> None:
@@ -120,9 +121,9 @@ def _install(settings: PluginSettings) -> None:
         from ._kv import open_kv_buffers
 
         if getattr(pool, "enable_custom_mem_pool", False):
-            return original(pool)  # PD's NVLink pool: refused when the allocator is built
+            original(pool)  # PD's NVLink pool: refused when the allocator is built
+            return
         pool._kvasync = open_kv_buffers(pool, settings)
-        return None
 
     def clear_buffers(result: Any, pool: Any) -> None:
         engine = pool.__dict__.pop("_kvasync", None)
@@ -166,15 +167,11 @@ def _install(settings: PluginSettings) -> None:
     def released(result: Any, updater: Any, recv_req: Any) -> None:
         import importlib
 
-        weights = importlib.import_module(
-            "sglang.srt.managers.scheduler_components.weight_updater"
-        )
+        weights = importlib.import_module("sglang.srt.managers.scheduler_components.weight_updater")
         tags = recv_req.tags or weights.GPU_MEMORY_ALL_TYPES
         scheduler = getattr(updater, "scheduler", None)
-        allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
-        if weights.GPU_MEMORY_TYPE_KV_CACHE not in tags or not hasattr(
-            allocator, "release_memory"
-        ):
+        allocator: Any = getattr(scheduler, "token_to_kv_pool_allocator", None)
+        if weights.GPU_MEMORY_TYPE_KV_CACHE not in tags or not hasattr(allocator, "release_memory"):
             return
         started = time.monotonic()
         mapped = allocator.release_memory(_RELEASE_TIMEOUT)
@@ -185,7 +182,9 @@ def _install(settings: PluginSettings) -> None:
         )
 
     registry.register(f"{_CONFIGURATOR}._profile_available_bytes", profile, kind.AROUND)
-    registry.register(f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, kind.AROUND)
+    registry.register(
+        f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator", build_allocator, kind.AROUND
+    )
     registry.register(f"{_MHA_POOL}._create_buffers_normal", create_buffers, kind.AROUND)
     registry.register(f"{_MHA_POOL}._clear_buffers", clear_buffers, kind.AFTER)
     registry.register(

@@ -45,11 +45,12 @@ like any mapped page. Once a scheduler step (``maintain``, at most every ``_MAIN
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -80,7 +81,7 @@ def allocator_class() -> type:
     return _class
 
 
-def _build_class() -> type:  # noqa: C901 - one class, its methods in order
+def _build_class() -> type:
     paged = importlib.import_module("sglang.srt.mem_cache.allocator.paged")
     evict_params = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache").EvictParams
     base: Any = paged.PagedTokenToKVPoolAllocator
@@ -105,6 +106,8 @@ def _build_class() -> type:  # noqa: C901 - one class, its methods in order
                 # with KVASYNC_SGLANG_HOST_POOL=1 the allocator keeps its pages in a host
                 # allocator of its own, which holds no KV (bookkeeping only).
                 engine = open_bookkeeping_engine(size, page_size)
+            self.free_pages: torch.Tensor
+            self.release_pages: torch.Tensor
             self._engine = engine
             self._kv = engine.allocator
             self._held: set[int] = set()  # pages SGLang holds (in requests and the radix cache)
@@ -220,9 +223,9 @@ def _build_class() -> type:  # noqa: C901 - one class, its methods in order
         # -- frees ----------------------------------------------------------------------------
 
         def _release_page_ids(self, *page_ids: torch.Tensor) -> None:
-            ids: list[int] = torch.cat(page_ids).tolist() if len(page_ids) > 1 else page_ids[
-                0
-            ].tolist()
+            ids: list[int] = (
+                torch.cat(page_ids).tolist() if len(page_ids) > 1 else page_ids[0].tolist()
+            )
             self._give_back(ids)
 
         def _give_back(self, ids: Iterable[int]) -> None:
@@ -230,10 +233,9 @@ def _build_class() -> type:  # noqa: C901 - one class, its methods in order
             if not pages:
                 return
             self._held.difference_update(pages)
-            try:
+            # A closed allocator: the engine is closing, and its pages are gone already.
+            with contextlib.suppress(AllocatorClosed):
                 self._kv.free(pages, after=self._engine.fence_now())
-            except AllocatorClosed:
-                pass  # the engine is closing: its pages are gone already
 
         def clear(self) -> None:
             held = sorted(self._held)
@@ -275,7 +277,9 @@ def _build_class() -> type:  # noqa: C901 - one class, its methods in order
                     tree_cache.evict(evict_params(num_tokens=tokens))
                     self.num_evicted_for_pressure += tokens
             if self._engine.settings.share is not None:
-                wanted = sum(-(-len(getattr(req, "origin_input_ids", ())) // page) for req in waiting)
+                wanted = sum(
+                    -(-len(getattr(req, "origin_input_ids", ())) // page) for req in waiting
+                )
                 self._kv.set_demand(max(1, len(self._held) + 1 + wanted))
 
         def _token_bytes(self) -> int:
@@ -351,8 +355,9 @@ def _last_error(kv: Any) -> str:
 def maintain(scheduler: Any) -> None:
     """Once a scheduler step: Note [Pressure and the radix cache] for the scheduler's allocator,
     when it is kvasync's."""
-    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
-    if _class is not None and isinstance(allocator, _class):
-        allocator.maintain(
-            getattr(scheduler, "tree_cache", None), getattr(scheduler, "waiting_queue", ())
-        )
+    allocator: Any = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    if _class is None or type(allocator) is not _class:
+        return
+    cast(Any, allocator).maintain(
+        getattr(scheduler, "tree_cache", None), getattr(scheduler, "waiting_queue", ())
+    )

@@ -235,9 +235,7 @@ def open_bookkeeping_engine(size: int, page_size: int) -> EngineKV:
         )
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, block_size=page_size)
     settings = read_settings(switch=SGLANG_ENABLE)
-    config = Config(
-        backend="host", max_blocks=size // page_size + 1, default_timeout=_OPEN_TIMEOUT
-    )
+    config = Config(backend="host", max_blocks=size // page_size + 1, default_timeout=_OPEN_TIMEOUT)
     kv = open_allocator_sync(layout, config)
     try:
         hold_null_block(kv, _OPEN_TIMEOUT)

@@ -128,7 +128,9 @@ def installed_version() -> str:
     try:
         module = importlib.import_module("sglang.version")
     except ImportError as error:
-        raise UnsupportedSGLang(f"kvasync's SGLang plugin: SGLang is not importable ({error})")
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin: SGLang is not importable ({error})"
+        ) from None
     return str(module.__version__)
 
 
@@ -156,8 +158,8 @@ def check_seam(seam: Seam) -> None:
             f"{error}"
         ) from None
     if isinstance(target, type):
-        target = target.__init__  # a dataclass: its fields are its constructor's parameters
-        found = tuple(name for name in _parameters(target) if name != "self")
+        # A dataclass: its fields are its constructor's parameters.
+        found = tuple(name for name in _parameters(target))
     else:
         found = _parameters(target)
     if found[: len(seam.parameters)] != seam.parameters:

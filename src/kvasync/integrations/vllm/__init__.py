@@ -109,9 +109,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from .._settings import PluginSettings, read_settings
 from ._engine import EngineKV, current_engine
 from ._seams import RELEASES, Found, UnsupportedVLLM, check_all, release_key
-from .._settings import PluginSettings, read_settings
 
 __all__ = ["TESTED", "UnsupportedVLLM", "register"]
 

@@ -24,8 +24,8 @@ from ..._errors import AllocTimeout, KVAsyncError, MapError
 from ..._group import RankMapper, TensorParallel, group_geometry
 from ..._layout import KVLayout
 from ..._sync import SyncAllocator, open_allocator_sync
-from ._engine import EngineKV, hold_null_block
 from .._settings import PluginSettings
+from ._engine import EngineKV, hold_null_block
 from ._worker import KVGeometry, kv_layout_for, per_layer_geometry, reserve_pages_for
 
 __all__ = [

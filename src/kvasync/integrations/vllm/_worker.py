@@ -13,8 +13,8 @@ import torch
 from ..._config import Config
 from ..._layout import KVLayout
 from ..._sync import open_allocator_sync
-from ._engine import EngineKV, hold_null_block, register_engine, take_engine
 from .._settings import PluginSettings
+from ._engine import EngineKV, hold_null_block, register_engine, take_engine
 
 __all__ = [
     "KVGeometry",

@@ -1,0 +1,606 @@
+"""SGLang with kvasync's plugin beside stock SGLang, on one GPU (issue 26's H200 runs).
+
+Modes (``--modes``, in order; each prints its table, and everything goes to ``--out``):
+
+- ``identity``: a stock and a kvasync engine, both up at once with the same KV capacity
+  (``max_total_tokens``), run the same prompts (mixed lengths 16-1,500, half of them in families
+  that share long prefixes; mixed output lengths; greedy) in ``--rounds`` rounds each,
+  interleaved (stock, kvasync, kvasync, stock, ...), never at the same time. Reports: token
+  identity round by round, prefix-cache hits, output tok/s per round and the kvasync/stock ratio
+  of adjacent rounds with its 95% confidence interval, start time, each engine's device memory
+  over time (nvidia-smi, per process group) and kvasync's mapped KV (the share's ledger).
+- ``release``: a kvasync engine serves, ``release_memory_occupation(["kv_cache"])``, sleeps,
+  ``resume_memory_occupation``, serves again: the latencies, and the engine's device memory and
+  mapped KV before, while released, and after.
+- ``seed-a``: seed A of the allocator kvasync replaces: a first engine serves a steady load; a
+  second engine is started beside it ``--seed-starts`` times (each: start, serve a request, shut
+  down), every wait with a deadline. Stock SGLang sizes its pool from free memory, with its
+  default ``mem_fraction_static``; kvasync's engines share one budget.
+- ``two``: two engines, bursts alternating between them (``--bursts`` of ``--burst-requests``,
+  1,536-token prompts, 256 output tokens), on one budget (``--budget``): ``shared`` (one kvasync
+  share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` = budget/2) and ``static-stock``
+  (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
+
+Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
+    python bench/bench_sglang.py --out $OUT --modes identity release
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _tables import print_table
+from _vllm_child import TOKEN_KV_BYTES, alternating_trace, prompt_tokens
+from _vllm_procs import FAILURES, Engine, LedgerSampler, kill_all
+
+HERE = pathlib.Path(__file__).resolve()
+GIB = 2**30
+
+
+class ProcessMemory(threading.Thread):
+    """Each engine's device memory (MiB, summed over its process group) every 0.5 s, from
+    ``nvidia-smi --query-compute-apps`` (no CUDA in the driver)."""
+
+    def __init__(self, engines: dict[str, int], period: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.engines = engines  # name -> process group id (the child's pid)
+        self.period = period
+        self.samples: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            try:
+                text = subprocess.run(
+                    [
+                        "nvidia-smi",
+                        "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            used = dict.fromkeys(self.engines, 0.0)
+            for line in text.splitlines():
+                try:
+                    pid_text, mib_text = (part.strip() for part in line.split(","))
+                    group = os.getpgid(int(pid_text))
+                except (ValueError, ProcessLookupError):
+                    continue
+                for name, leader in self.engines.items():
+                    if group == leader:
+                        used[name] += float(mib_text)
+            self.samples.append({"wall": time.time(), "mib": used})
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.stop_event.set()
+        self.join(5.0)
+        return self.samples
+
+    def peak_gib(self, name: str) -> float:
+        return max((s["mib"].get(name, 0.0) for s in self.samples), default=0.0) / 1024
+
+
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% confidence interval (Student's t)."""
+    if len(values) < 2:
+        return (values[0] if values else float("nan"), float("nan"))
+    t95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+    n = len(values)
+    half = t95.get(n - 1, 2.0) * statistics.stdev(values) / math.sqrt(n)
+    return statistics.fmean(values), half
+
+
+def identity_prompts(count: int, seed: int = 7) -> list[dict[str, Any]]:
+    """Half without shared prefixes (random lengths 16-1,500), half in families of 8 that share a
+    prefix of 512-1,024 tokens; outputs of 16-256 tokens."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count // 2):
+        prompts.append(
+            {
+                "ids": prompt_tokens("solo", index, rng.randint(16, 1500)),
+                "max_new": rng.randint(16, 256),
+            }
+        )
+    for family in range(count // 2 // 8):
+        prefix = prompt_tokens("family", family, rng.randint(512, 1024))
+        for member in range(8):
+            tail = prompt_tokens(f"family-{family}", member, rng.randint(8, 400))
+            prompts.append({"ids": prefix + tail, "max_new": rng.randint(16, 256)})
+    return prompts
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = pathlib.Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = self.out / "work"
+        self.model_dir = self.work / "model"
+        self.tag = f"{os.getpid()}"
+        self.results: dict[str, Any] = {"args": vars(args), "started": time.time()}
+
+    def spawn(
+        self, folder: pathlib.Path, name: str, task: str, env: dict[str, str], **spec: Any
+    ) -> Engine:
+        base = {"task": task, "model_dir": str(self.model_dir), "model": self.args.model}
+        base.update(spec)
+        return Engine(folder, name, base, env, script=HERE)
+
+    def kvasync_env(
+        self, name: str, *, share: str | None, budget: int | None, limit: int | None
+    ) -> dict[str, str]:
+        env = {"KVASYNC_SGLANG": "1", "KVASYNC_NAME": name}
+        if share:
+            env["KVASYNC_SHARE"] = share
+        if budget is not None:
+            env["KVASYNC_DEVICE_BUDGET"] = f"{budget // 2**20}MiB"
+        if limit is not None:
+            env["KVASYNC_MEMORY_LIMIT"] = f"{limit // 2**20}MiB"
+        return env
+
+    def save(self) -> None:
+        (self.out / "bench_sglang.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+    # -- identity, throughput, start, memory ------------------------------------------------------
+
+    def mode_identity(self) -> None:
+        args = self.args
+        folder = self.work / "identity"
+        kv_bytes = int(args.kv_gib * GIB)
+        tokens = kv_bytes // TOKEN_KV_BYTES // 16 * 16
+        prompts = identity_prompts(args.prompts)
+        share = f"sgl-id-{self.tag}"
+        common = {
+            "prompts": prompts,
+            "rounds": args.rounds,
+            "gated": True,
+            "engine_args": {"max_total_tokens": tokens, "cuda_graph_max_bs": 64},
+        }
+        stock = self.spawn(folder, "stock", "prompts", {"KVASYNC_SGLANG": "0"}, **common)
+        ours = self.spawn(
+            folder,
+            "kvasync",
+            "prompts",
+            self.kvasync_env("sgl-id", share=share, budget=kv_bytes, limit=None),
+            **common,
+        )
+        memory = ProcessMemory({"stock": stock.process.pid, "kvasync": ours.process.pid})
+        ledger = LedgerSampler(share)
+        record: dict[str, Any] = {"kv_gib": args.kv_gib, "tokens": tokens, "prompts": len(prompts)}
+        self.results["identity"] = record
+        memory.start()
+        ledger.start()
+        try:
+            for engine in (stock, ours):  # one at a time: each start measured alone
+                engine.wait("imported", time.monotonic() + 180)
+                engine.go()
+                record[f"start_s_{engine.name}"] = engine.wait("up", time.monotonic() + 300)[
+                    "start_s"
+                ]
+                print(f"{engine.name} up in {record[f'start_s_{engine.name}']:.1f} s", flush=True)
+            for index in range(args.rounds):
+                order = (stock, ours) if index % 2 == 0 else (ours, stock)
+                for engine in order:
+                    (engine.folder / f"{engine.name}.go.{index}").write_text("go")
+                    deadline = time.monotonic() + 300
+                    while not [e for e in engine.all("round") if e["index"] == index]:
+                        if not engine.alive() or time.monotonic() > deadline:
+                            raise RuntimeError(
+                                f"{engine.name}: round {index}: {engine.error_line()}"
+                            )
+                        time.sleep(0.01)
+                print(f"round {index} done", flush=True)
+            for engine in (stock, ours):
+                engine.wait("done", time.monotonic() + 120)
+        finally:
+            record["memory"] = memory.finish()
+            record["ledger"] = ledger.finish()
+            kill_all([stock, ours])
+        results = {e.name: e.result() or {} for e in (stock, ours)}
+        rows = []
+        identical_rounds = 0
+        ratios = []
+        for index in range(args.rounds):
+            s = results["stock"]["rounds"][index]
+            k = results["kvasync"]["rounds"][index]
+            same = results["stock"]["outputs"][index] == results["kvasync"]["outputs"][index]
+            identical_rounds += same
+            ratio = k["tok_s"] / s["tok_s"]
+            if index > 0:  # round 0 is each engine's warm-up (first kernels, empty cache)
+                ratios.append(ratio)
+            rows.append(
+                [
+                    index,
+                    f"{s['tok_s']:.0f}",
+                    f"{k['tok_s']:.0f}",
+                    f"{ratio:.3f}",
+                    s["cached"],
+                    k["cached"],
+                    "yes" if same else "NO",
+                ]
+            )
+        table(
+            "SGLang identity and throughput",
+            [
+                "round",
+                "stock tok/s",
+                "kvasync tok/s",
+                "ratio",
+                "stock cached",
+                "kvasync cached",
+                "identical",
+            ],
+            rows,
+        )
+        mean, half = mean_ci(ratios)
+        record.update(
+            identical_rounds=identical_rounds,
+            rounds=args.rounds,
+            ratio_mean=mean,
+            ratio_ci95=half,
+            results=results,
+            peak_gib={"stock": memory.peak_gib("stock"), "kvasync": memory.peak_gib("kvasync")},
+            mapped_peak_gib=max(
+                (max(s["mapped_gib"].values(), default=0.0) for s in record["ledger"]), default=0.0
+            ),
+        )
+        print(
+            f"identical {identical_rounds}/{args.rounds} rounds ({len(prompts)} prompts each); "
+            f"throughput kvasync/stock over rounds 1..: {mean:.3f} +- {half:.3f} (95% CI); "
+            f"start stock {record['start_s_stock']:.1f} s, "
+            f"kvasync {record['start_s_kvasync']:.1f} s; "
+            f"device memory peak stock {record['peak_gib']['stock']:.2f} GiB, kvasync "
+            f"{record['peak_gib']['kvasync']:.2f} GiB (KV capacity {args.kv_gib} GiB each); "
+            f"kvasync mapped KV peak {record['mapped_peak_gib']:.2f} GiB",
+            flush=True,
+        )
+
+    # -- release / resume ------------------------------------------------------------------------
+
+    def mode_release(self) -> None:
+        args = self.args
+        folder = self.work / "release"
+        kv_bytes = int(args.kv_gib * GIB)
+        share = f"sgl-rel-{self.tag}"
+        prompts = identity_prompts(64, seed=11)
+        engine = self.spawn(
+            folder,
+            "kvasync",
+            "release",
+            self.kvasync_env("sgl-rel", share=share, budget=kv_bytes, limit=None),
+            prompts=prompts,
+            released_for_s=2.0,
+        )
+        memory = ProcessMemory({"kvasync": engine.process.pid})
+        ledger = LedgerSampler(share)
+        record: dict[str, Any] = {}
+        self.results["release"] = record
+        memory.start()
+        ledger.start()
+        try:
+            engine.wait("imported", time.monotonic() + 180)
+            engine.go()
+            engine.wait("up", time.monotonic() + 300)
+            engine.wait("done", time.monotonic() + 300)
+        finally:
+            record["memory"] = memory.finish()
+            record["ledger"] = ledger.finish()
+            kill_all([engine])
+        result = engine.result() or {}
+        record.update(result)
+        marks = {e["event"]: e["wall"] for e in engine.events()}
+
+        def mapped_at(wall: float) -> float:
+            before = [s for s in record["ledger"] if s["wall"] <= wall]
+            return max(before[-1]["mapped_gib"].values(), default=0.0) if before else float("nan")
+
+        def device_at(wall: float) -> float:
+            before = [s for s in record["memory"] if s["wall"] <= wall]
+            return before[-1]["mib"]["kvasync"] / 1024 if before else float("nan")
+
+        points = [
+            ("served", marks.get("served", 0.0)),
+            ("released", marks.get("released", 0.0) + 1.0),
+            ("resumed+served", marks.get("done", 0.0)),
+        ]
+        rows = [[name, f"{mapped_at(wall):.2f}", f"{device_at(wall):.2f}"] for name, wall in points]
+        table(
+            "SGLang release_memory_occupation / resume with kvasync",
+            ["point", "mapped KV GiB", "device GiB"],
+            rows,
+        )
+        print(
+            f"release {result.get('release_s', float('nan')) * 1000:.1f} ms, resume "
+            f"{result.get('resume_s', float('nan')) * 1000:.1f} ms, first request after resume "
+            f"{result.get('first_request_after_resume_s', float('nan')) * 1000:.1f} ms",
+            flush=True,
+        )
+        record["points"] = {
+            name: {"mapped_gib": mapped_at(w), "device_gib": device_at(w)} for name, w in points
+        }
+
+    # -- seed A ----------------------------------------------------------------------------------
+
+    def mode_seed_a(self) -> None:
+        args = self.args
+        folder = self.work / "seed_a"
+        record: dict[str, Any] = {}
+        self.results["seed_a"] = record
+        hold = {
+            "ids": [prompt_tokens("hold", i, 1024) for i in range(16)],
+            "max_new": 128,
+            "concurrency": 16,
+        }
+        budget = int(args.kv_gib * GIB)
+        for kind in args.seed_kinds:
+            share = f"sgl-seed-{kind}-{self.tag}"
+            env = (
+                self.kvasync_env("first", share=share, budget=budget, limit=None)
+                if kind == "kvasync"
+                else {"KVASYNC_SGLANG": "0"}
+            )
+            stop = folder / f"{kind}.stop"
+            stop.unlink(missing_ok=True)
+            first = self.spawn(folder, f"{kind}_first", "hold", env, hold=hold, stop=str(stop))
+            starts = []
+            try:
+                first.wait("imported", time.monotonic() + 180)
+                first.go()
+                first.wait("up", time.monotonic() + 300)
+                first.wait("serving", time.monotonic() + 60)
+                for attempt in range(args.seed_starts):
+                    second_env = (
+                        self.kvasync_env(f"second{attempt}", share=share, budget=budget, limit=None)
+                        if kind == "kvasync"
+                        else {"KVASYNC_SGLANG": "0"}
+                    )
+                    second = self.spawn(
+                        folder,
+                        f"{kind}_second{attempt}",
+                        "prompts",
+                        second_env,
+                        prompts=[{"ids": prompt_tokens("second", attempt, 256), "max_new": 16}],
+                        rounds=1,
+                    )
+                    outcome: dict[str, Any] = {"attempt": attempt}
+                    try:
+                        second.wait("imported", time.monotonic() + 180)
+                        second.go()
+                        outcome["start_s"] = second.wait(
+                            "up", time.monotonic() + args.seed_deadline_s
+                        )["start_s"]
+                        second.wait("done", time.monotonic() + 60)
+                        outcome["ok"] = True
+                    except FAILURES as failure:
+                        outcome["ok"] = False
+                        outcome["failure"] = str(failure)
+                        outcome["hang"] = "hang" in str(failure)
+                    finally:
+                        second.wait_exit(time.monotonic() + 30)
+                        kill_all([second])
+                    starts.append(outcome)
+                    print(f"seed A {kind} start {attempt}: {outcome}", flush=True)
+            finally:
+                stop.write_text("stop")
+                with contextlib.suppress(*FAILURES):
+                    first.wait("done", time.monotonic() + 60)
+                kill_all([first])
+            served = (first.result() or {}).get("served")
+            record[kind] = {"starts": starts, "first_served": served}
+        rows = [
+            [
+                kind,
+                f"{sum(s['ok'] for s in r['starts'])}/{len(r['starts'])}",
+                sum(bool(s.get("hang")) for s in r["starts"]),
+                r["first_served"],
+            ]
+            for kind, r in record.items()
+        ]
+        table(
+            "Seed A on SGLang",
+            ["engines", "second starts ok", "hangs", "first engine served"],
+            rows,
+        )
+
+    # -- two engines on one budget ---------------------------------------------------------------
+
+    def mode_two(self) -> None:
+        args = self.args
+        folder = self.work / "two"
+        budget = int(args.budget_gib * GIB)
+        half = budget // 2
+        plan = alternating_trace(
+            engines=2,
+            bursts=args.bursts,
+            period_s=args.period_s,
+            requests=args.burst_requests,
+            window_s=1.0,
+            prompt_len=1536,
+            output_len=256,
+        )
+        record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
+        self.results["two"] = record
+        for variant in args.two_variants:
+            share = f"sgl-two-{variant}-{self.tag}"
+            engines = []
+            for index, label in enumerate(("A", "B")):
+                requests = [
+                    {
+                        "at": r["at"],
+                        "ids": prompt_tokens(f"two-{label}", n, r["prompt_len"]),
+                        "max_new": r["output_len"],
+                    }
+                    for n, r in enumerate(plan[index])
+                ]
+                engine_args: dict[str, Any] = {"cuda_graph_max_bs": 64}
+                if variant == "static-stock":
+                    env = {"KVASYNC_SGLANG": "0"}
+                    engine_args["max_total_tokens"] = half // TOKEN_KV_BYTES // 16 * 16
+                    engine_args["mem_fraction_static"] = 0.3
+                elif variant == "static-kvasync":
+                    env = self.kvasync_env(f"two-{label}", share=None, budget=None, limit=half)
+                else:
+                    env = self.kvasync_env(f"two-{label}", share=share, budget=budget, limit=None)
+                engines.append(
+                    self.spawn(
+                        folder,
+                        f"{variant}_{label}",
+                        "trace",
+                        env,
+                        requests=requests,
+                        engine_args=engine_args,
+                    )
+                )
+            ledger = LedgerSampler(share) if variant == "shared" else None
+            if ledger:
+                ledger.start()
+            result: dict[str, Any] = {}
+            record[variant] = result
+            try:
+                for engine in engines:
+                    engine.wait("imported", time.monotonic() + 180)
+                for engine in engines:  # one at a time: the second's start is not the first's
+                    engine.go()
+                    result[f"start_s_{engine.name[-1]}"] = engine.wait(
+                        "up", time.monotonic() + 300
+                    )["start_s"]
+                for engine in engines:
+                    engine.wait("done", time.monotonic() + plan_end(plan) + 120)
+            except FAILURES as failure:
+                result["failure"] = str(failure)
+            finally:
+                if ledger:
+                    result["ledger"] = ledger.finish()
+                kill_all(engines)
+            served = []
+            for engine in engines:
+                served.extend((engine.result() or {}).get("requests", []))
+            within = sum(
+                1
+                for r in served
+                if r["ttft_s"] is not None and r["ttft_s"] <= args.slo_s and not r["error"]
+            )
+            ttfts = sorted(r["ttft_s"] for r in served if r["ttft_s"] is not None)
+            result.update(
+                requests=len(served),
+                within_slo=within,
+                errors=sum(1 for r in served if r["error"]),
+                ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
+                ttft_p99=ttfts[int(len(ttfts) * 0.99)] if ttfts else None,
+                mapped_peak_gib=max(
+                    (sum(s["mapped_gib"].values()) for s in result.get("ledger", [])), default=None
+                ),
+                served=served,
+            )
+            print(
+                f"two engines {variant}: {within}/{len(served)} within {args.slo_s} s TTFT",
+                flush=True,
+            )
+        rows = [
+            [
+                v,
+                f"{r.get('within_slo')}/{r.get('requests')}",
+                r.get("errors"),
+                fmt(r.get("ttft_p50")),
+                fmt(r.get("ttft_p99")),
+                fmt(r.get("mapped_peak_gib")),
+                r.get("failure", ""),
+            ]
+            for v, r in record.items()
+            if isinstance(r, dict)
+        ]
+        table(
+            f"Two SGLang engines on {args.budget_gib} GiB",
+            [
+                "variant",
+                "within SLO",
+                "errors",
+                "TTFT p50 s",
+                "TTFT p99 s",
+                "joint mapped peak GiB",
+                "failure",
+            ],
+            rows,
+        )
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    print(f"\n### {title}\n", flush=True)
+    print_table(columns, [[str(cell) for cell in row] for row in rows])
+
+
+def plan_end(plan: list[list[dict[str, Any]]]) -> float:
+    return max(r["at"] for engine in plan for r in engine)
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        import _sglang_child
+
+        _sglang_child.main(sys.argv[2])
+        return
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["identity", "release"],
+        choices=["identity", "release", "seed-a", "two"],
+    )
+    parser.add_argument("--model", default="1b", choices=["1b", "8b"])
+    parser.add_argument("--kv-gib", type=float, default=6.0)
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seed-starts", type=int, default=6)
+    parser.add_argument("--seed-kinds", nargs="+", default=["kvasync", "stock"])
+    parser.add_argument("--seed-deadline-s", type=float, default=120.0)
+    parser.add_argument("--budget-gib", type=float, default=6.0)
+    parser.add_argument("--bursts", type=int, default=4)
+    parser.add_argument("--burst-requests", type=int, default=96)
+    parser.add_argument("--period-s", type=float, default=8.0)
+    parser.add_argument("--slo-s", type=float, default=2.0)
+    parser.add_argument(
+        "--two-variants", nargs="+", default=["shared", "static-kvasync", "static-stock"]
+    )
+    args = parser.parse_args()
+    bench = Bench(args)
+    try:
+        for mode in args.modes:
+            print(f"== {mode} ({time.strftime('%H:%M:%S')})", flush=True)
+            try:
+                getattr(bench, f"mode_{mode.replace('-', '_')}")()
+            except Exception as error:  # one mode's failure is reported; the next still runs
+                bench.results.setdefault("failures", {})[mode] = f"{type(error).__name__}: {error}"
+                print(f"{mode} FAILED: {error}", flush=True)
+            bench.save()
+    finally:
+        bench.save()
+
+
+if __name__ == "__main__":
+    main()
