@@ -132,7 +132,22 @@ async def _one(engine: Any, request: dict[str, Any], t0: float) -> dict[str, Any
 
 
 async def _trace(spec: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
-    t0 = time.perf_counter()
+    """The requests at their times from the wall time the driver writes to ``trace_go`` (every
+    engine of a run starts its trace together), after a warm-up batch of the trace's shapes."""
+    warm = spec["requests"][: int(spec.get("warmup", 8))]
+    engine.generate(
+        input_ids=[[t + 1 for t in r["ids"]] for r in warm],  # not the trace's prefixes
+        sampling_params=[_params(min(32, r["max_new"])) for r in warm],
+    )
+    _emit(spec, "warm")
+    go = pathlib.Path(spec["trace_go"])
+    deadline = time.monotonic() + 300.0
+    while not go.exists() or not go.read_text().strip():
+        if time.monotonic() > deadline:
+            raise TimeoutError("no trace_go within 300 s")
+        await asyncio.sleep(0.005)
+    start_wall = float(go.read_text())
+    t0 = time.perf_counter() + (start_wall - time.time())
     return list(await asyncio.gather(*(_one(engine, r, t0) for r in spec["requests"])))
 
 

@@ -44,10 +44,11 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _tables import print_table
-from _vllm_child import TOKEN_KV_BYTES, alternating_trace, prompt_tokens
-from _vllm_procs import FAILURES, Engine, LedgerSampler, kill_all
+from _vllm_child import TOKEN_KV_BYTES, alternating_trace, prompt_tokens, write_model_config
+from _vllm_procs import FAILURES, Engine, LedgerSampler, kill_all, write_atomically
 
 HERE = pathlib.Path(__file__).resolve()
+BENCH_VLLM = HERE.parent / "bench_vllm.py"
 GIB = 2**30
 
 
@@ -143,6 +144,8 @@ class Bench:
     ) -> Engine:
         base = {"task": task, "model_dir": str(self.model_dir), "model": self.args.model}
         base.update(spec)
+        if self.args.sglang_site:  # SGLang's packages, kept apart from vLLM's (other pins)
+            env = dict(env, PYTHONPATH=self.args.sglang_site)
         return Engine(folder, name, base, env, script=HERE)
 
     def kvasync_env(
@@ -441,6 +444,8 @@ class Bench:
         self.results["two"] = record
         for variant in args.two_variants:
             share = f"sgl-two-{variant}-{self.tag}"
+            trace_go = folder / f"{variant}.trace_go"
+            trace_go.unlink(missing_ok=True)
             engines = []
             for index, label in enumerate(("A", "B")):
                 requests = [
@@ -468,6 +473,7 @@ class Bench:
                         env,
                         requests=requests,
                         engine_args=engine_args,
+                        trace_go=str(trace_go),
                     )
                 )
             ledger = LedgerSampler(share) if variant == "shared" else None
@@ -483,6 +489,9 @@ class Bench:
                     result[f"start_s_{engine.name[-1]}"] = engine.wait(
                         "up", time.monotonic() + 300
                     )["start_s"]
+                for engine in engines:
+                    engine.wait("warm", time.monotonic() + 120)
+                write_atomically(trace_go, f"{time.time() + 1.0}")
                 for engine in engines:
                     engine.wait("done", time.monotonic() + plan_end(plan) + 120)
             except FAILURES as failure:
@@ -542,6 +551,164 @@ class Bench:
             rows,
         )
 
+    # -- a vLLM engine and an SGLang engine on one share ----------------------------------------
+
+    def mode_mixed(self) -> None:
+        """Bursts alternate between a vLLM engine (0.26, kvasync's vLLM plugin) and an SGLang
+        engine; ``shared``: both in one kvasync share of ``--budget-gib``; ``static``: stock
+        vLLM with ``kv_cache_memory_bytes`` = budget/2 beside stock SGLang with
+        ``max_total_tokens`` = budget/2 in tokens."""
+        args = self.args
+        folder = self.work / "mixed"
+        budget = int(args.budget_gib * GIB)
+        half = budget // 2
+        write_model_config(self.model_dir, args.model)
+        plan = alternating_trace(
+            engines=2,
+            bursts=args.bursts,
+            period_s=args.period_s,
+            requests=args.burst_requests,
+            window_s=1.0,
+            prompt_len=1536,
+            output_len=256,
+        )
+        end = plan_end(plan)
+        record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
+        self.results["mixed"] = record
+        for variant in args.mixed_variants:
+            shared = variant == "shared"
+            share = f"sgl-mixed-{self.tag}"
+            trace_go = folder / f"{variant}.trace_go"
+            trace_go.unlink(missing_ok=True)
+            venv = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+            if args.vllm_site:
+                venv["PYTHONPATH"] = args.vllm_site
+            if shared:
+                venv.update(
+                    KVASYNC_NAME="vllm",
+                    KVASYNC_PREFIX_CACHE="0",
+                    KVASYNC_SHARE=share,
+                    KVASYNC_DEVICE_BUDGET=f"{budget // 2**20}MiB",
+                )
+            else:
+                venv["KVASYNC_VLLM"] = "0"
+            vspec = {
+                "kind": "kvasync" if shared else "stock",
+                "task": "trace",
+                "args": {
+                    "warmup": [32, 1536, 32],
+                    "trace_go": str(trace_go),
+                    "plan": plan[0],
+                    "salt": "trace-A",
+                    "max_s": end + 60,
+                },
+                "model_dir": str(self.model_dir),
+                "executor": "uni",
+                "utilization": 0.3 if shared else 0.2,
+                "max_model_len": 2048,
+                "attention": "TRITON_ATTN",
+                "tensor_parallel_size": 1,
+                "cuda_graphs": False,
+                "max_num_seqs": 128,
+                "stats": True,
+                "kv_cache_bytes": None if shared else half,
+            }
+            vllm = Engine(folder, f"{variant}_vllm", vspec, venv, script=BENCH_VLLM)
+            requests = [
+                {
+                    "at": r["at"],
+                    "ids": prompt_tokens("trace-B", n, r["prompt_len"]),
+                    "max_new": r["output_len"],
+                }
+                for n, r in enumerate(plan[1])
+            ]
+            engine_args: dict[str, Any] = {"cuda_graph_max_bs": 64}
+            if shared:
+                senv = self.kvasync_env("sglang", share=share, budget=budget, limit=None)
+            else:
+                senv = {"KVASYNC_SGLANG": "0"}
+                engine_args["max_total_tokens"] = half // TOKEN_KV_BYTES // 16 * 16
+                engine_args["mem_fraction_static"] = 0.3
+            sgl = self.spawn(
+                folder,
+                f"{variant}_sglang",
+                "trace",
+                senv,
+                requests=requests,
+                engine_args=engine_args,
+                trace_go=str(trace_go),
+            )
+            ledger = LedgerSampler(share) if shared else None
+            if ledger:
+                ledger.start()
+            result: dict[str, Any] = {}
+            record[variant] = result
+            try:
+                for engine in (vllm, sgl):
+                    engine.wait("imported", time.monotonic() + 180)
+                for engine in (vllm, sgl):
+                    engine.go()
+                    result[f"start_s_{engine.name.split('_')[-1]}"] = engine.wait(
+                        "up", time.monotonic() + 300
+                    )["start_s"]
+                for engine in (vllm, sgl):
+                    engine.wait("warm", time.monotonic() + 120)
+                write_atomically(trace_go, f"{time.time() + 1.0}")
+                for engine in (vllm, sgl):
+                    engine.wait("done", time.monotonic() + end + 120)
+            except FAILURES as failure:
+                result["failure"] = str(failure)
+            finally:
+                if ledger:
+                    result["ledger"] = ledger.finish()
+                kill_all([vllm, sgl])
+            vreqs = ((vllm.result() or {}).get("requests") or {}).values()
+            v_ttft = [None if r["first"] is None else r["first"] - r["arrived"] for r in vreqs]
+            s_ttft = [r["ttft_s"] for r in (sgl.result() or {}).get("requests", [])]
+            for engine_name, ttfts in (("vllm", v_ttft), ("sglang", s_ttft)):
+                result[engine_name] = {
+                    "requests": len(ttfts),
+                    "within_slo": sum(1 for t in ttfts if t is not None and t <= args.slo_s),
+                    "ttft": ttfts,
+                }
+            result["mapped_peak_gib"] = max(
+                (sum(x["mapped_gib"].values()) for x in result.get("ledger", [])), default=None
+            )
+            print(
+                f"mixed {variant}: vLLM {result['vllm']['within_slo']}/"
+                f"{result['vllm']['requests']}, SGLang {result['sglang']['within_slo']}/"
+                f"{result['sglang']['requests']} within {args.slo_s} s TTFT",
+                flush=True,
+            )
+        rows = []
+        for variant, r in record.items():
+            if not isinstance(r, dict):
+                continue
+            total = r["vllm"]["within_slo"] + r["sglang"]["within_slo"]
+            count = r["vllm"]["requests"] + r["sglang"]["requests"]
+            rows.append(
+                [
+                    variant,
+                    f"{r['vllm']['within_slo']}/{r['vllm']['requests']}",
+                    f"{r['sglang']['within_slo']}/{r['sglang']['requests']}",
+                    f"{total}/{count}",
+                    fmt(r.get("mapped_peak_gib")),
+                    r.get("failure", ""),
+                ]
+            )
+        table(
+            f"A vLLM and an SGLang engine on {args.budget_gib} GiB",
+            [
+                "variant",
+                "vLLM within SLO",
+                "SGLang within SLO",
+                "total",
+                "joint mapped peak GiB",
+                "failure",
+            ],
+            rows,
+        )
+
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     print(f"\n### {title}\n", flush=True)
@@ -570,7 +737,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["identity", "release"],
-        choices=["identity", "release", "seed-a", "two"],
+        choices=["identity", "release", "seed-a", "two", "mixed"],
     )
     parser.add_argument("--model", default="1b", choices=["1b", "8b"])
     parser.add_argument("--kv-gib", type=float, default=6.0)
@@ -586,6 +753,15 @@ def main() -> None:
     parser.add_argument("--slo-s", type=float, default=2.0)
     parser.add_argument(
         "--two-variants", nargs="+", default=["shared", "static-kvasync", "static-stock"]
+    )
+    parser.add_argument("--mixed-variants", nargs="+", default=["shared", "static"])
+    parser.add_argument(
+        "--sglang-site",
+        default=os.environ.get("SGLANG_SITE"),
+        help="SGLang's packages (PYTHONPATH)",
+    )
+    parser.add_argument(
+        "--vllm-site", default=os.environ.get("VLLM_SITE"), help="vLLM's packages (PYTHONPATH)"
     )
     args = parser.parse_args()
     bench = Bench(args)
