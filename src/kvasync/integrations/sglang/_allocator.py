@@ -115,6 +115,7 @@ def _build_class() -> type:
             self._last_log = 0.0
             self._errors = 0
             self._next_maintain = 0.0
+            self._stream: Any = None  # the scheduler's forward stream, once a step has seen it
             self.num_map_waits = 0
             self.map_wait_seconds = 0.0
             self.num_failed_allocs = 0
@@ -235,7 +236,7 @@ def _build_class() -> type:
             self._held.difference_update(pages)
             # A closed allocator: the engine is closing, and its pages are gone already.
             with contextlib.suppress(AllocatorClosed):
-                self._kv.free(pages, after=self._engine.fence_now())
+                self._kv.free(pages, after=self._stream or self._engine.fence_now())
 
         def clear(self) -> None:
             held = sorted(self._held)
@@ -249,8 +250,13 @@ def _build_class() -> type:
 
         # -- once a step ----------------------------------------------------------------------
 
-        def maintain(self, tree_cache: Any, waiting: Iterable[Any]) -> None:
-            """Note [Pressure and the radix cache]."""
+        def maintain(self, tree_cache: Any, waiting: Iterable[Any], stream: Any = None) -> None:
+            """Note [Pressure and the radix cache]. ``stream``: the scheduler's forward stream,
+            the fence of every later free (SGLang runs forward passes there, not on the
+            scheduler thread's current stream; a free's pages are unmapped only after the work
+            queued there when it was freed)."""
+            if stream is not None and self._engine.fence is not None:
+                self._stream = stream
             now = time.monotonic()
             if now < self._next_maintain or self._engine.closed:
                 return
@@ -359,5 +365,7 @@ def maintain(scheduler: Any) -> None:
     if _class is None or type(allocator) is not _class:
         return
     cast(Any, allocator).maintain(
-        getattr(scheduler, "tree_cache", None), getattr(scheduler, "waiting_queue", ())
+        getattr(scheduler, "tree_cache", None),
+        getattr(scheduler, "waiting_queue", ()),
+        getattr(scheduler, "forward_stream", None),
     )
