@@ -57,6 +57,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         page_size=16,
         attention_backend=spec.get("attention_backend", "triton"),
         random_seed=0,
+        sampling_backend="pytorch",
         log_level="warning",
         disable_cuda_graph=bool(spec.get("disable_cuda_graph", False)),
     )

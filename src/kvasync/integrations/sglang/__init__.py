@@ -114,8 +114,8 @@ def _install(settings: PluginSettings) -> None:
     def profile(original: Any, configurator: Any, pre_model_load_memory: int) -> int:
         from ._kv import capacity_bytes
 
-        del original, configurator, pre_model_load_memory  # no profile of free memory
-        return capacity_bytes(settings)
+        del original, pre_model_load_memory  # no profile of free memory
+        return capacity_bytes(settings, configurator)
 
     def create_buffers(original: Any, pool: Any) -> None:
         from ._kv import open_kv_buffers

@@ -143,13 +143,25 @@ def _config(settings: PluginSettings, backend: str, ordinal: int, num_blocks: in
     )
 
 
-def capacity_bytes(settings: PluginSettings) -> int:
-    """The KV bytes to give SGLang's configurator: kvasync's limit, else the share's budget.
+def capacity_bytes(settings: PluginSettings, configurator: Any) -> int:
+    """The KV bytes to give SGLang's configurator: kvasync's limit, else the share's budget, less
+    one page of tokens: page 0 (SGLang's padded page, which its count leaves out) is kvasync's
+    block 0 and counts against the limit, so SGLang's token count is what kvasync can hand out.
 
     Raises:
         ValueError: neither is set (the message names the variables).
     """
-    return settings.capacity_bytes
+    import importlib
+
+    total = settings.capacity_bytes
+    model = configurator.model_config
+    parallel = importlib.import_module(type(configurator).__module__).get_parallel()
+    heads = int(model.get_num_kv_heads(parallel.attn_tp_size))
+    head_dims = int(model.head_dim) + int(model.v_head_dim or model.head_dim)
+    itemsize = torch.empty((), dtype=configurator.kv_cache_dtype).element_size()
+    token = int(configurator.layer_info.num_effective_layers) * heads * head_dims * itemsize
+    page = int(configurator.server_args.page_size or 1)
+    return max(0, total - page * token)
 
 
 def open_kv_buffers(pool: Any, settings: PluginSettings) -> EngineKV:

@@ -52,6 +52,11 @@ SEAMS: tuple[Seam, ...] = (
         "capacity: the KV bytes come from kvasync's limit or budget, not a profile of free memory",
     ),
     Seam(
+        "sglang.srt.mem_cache.kv_cache_configurator.get_parallel",
+        (),
+        "capacity: the tensor-parallel size of attention, for the KV bytes of a token",
+    ),
+    Seam(
         f"{_CONFIGURATOR}._build_token_to_kv_pool_allocator",
         (
             "self",
