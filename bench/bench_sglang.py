@@ -176,7 +176,7 @@ class Bench:
             "prompts": prompts,
             "rounds": args.rounds,
             "gated": True,
-            "engine_args": {"max_total_tokens": tokens, "cuda_graph_max_bs": 64},
+            "engine_args": {"max_total_tokens": tokens, "cuda_graph_max_bs_decode": 64},
         }
         stock = self.spawn(folder, "stock", "prompts", {"KVASYNC_SGLANG": "0"}, **common)
         ours = self.spawn(
@@ -456,7 +456,7 @@ class Bench:
                     }
                     for n, r in enumerate(plan[index])
                 ]
-                engine_args: dict[str, Any] = {"cuda_graph_max_bs": 64}
+                engine_args: dict[str, Any] = {"cuda_graph_max_bs_decode": 64}
                 if variant == "static-stock":
                     env = {"KVASYNC_SGLANG": "0"}
                     engine_args["max_total_tokens"] = half // TOKEN_KV_BYTES // 16 * 16
@@ -622,7 +622,7 @@ class Bench:
                 }
                 for n, r in enumerate(plan[1])
             ]
-            engine_args: dict[str, Any] = {"cuda_graph_max_bs": 64}
+            engine_args: dict[str, Any] = {"cuda_graph_max_bs_decode": 64}
             if shared:
                 senv = self.kvasync_env("sglang", share=share, budget=budget, limit=None)
             else:
