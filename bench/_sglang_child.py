@@ -132,15 +132,19 @@ async def _one(engine: Any, request: dict[str, Any], t0: float) -> dict[str, Any
     }
 
 
-async def _trace(spec: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
-    """The requests at their times from the wall time the driver writes to ``trace_go`` (every
-    engine of a run starts its trace together), after a warm-up batch of the trace's shapes."""
+def warm_up(spec: dict[str, Any], engine: Any) -> None:
+    """A batch of the trace's shapes (not its prefixes), before the trace."""
     warm = spec["requests"][: int(spec.get("warmup", 8))]
     engine.generate(
-        input_ids=[[t + 1 for t in r["ids"]] for r in warm],  # not the trace's prefixes
+        input_ids=[[t + 1 for t in r["ids"]] for r in warm],
         sampling_params=[_params(min(32, r["max_new"])) for r in warm],
     )
     _emit(spec, "warm")
+
+
+async def _trace(spec: dict[str, Any], engine: Any) -> list[dict[str, Any]]:
+    """The requests at their times from the wall time the driver writes to ``trace_go`` (every
+    engine of a run starts its trace together)."""
     go = pathlib.Path(spec["trace_go"])
     deadline = time.monotonic() + 300.0
     while not go.exists() or not go.read_text().strip():
@@ -227,9 +231,11 @@ def main(spec_path: str) -> None:
         if task == "prompts":
             result = task_prompts(spec, engine)
         elif task == "trace":
-            result = {"requests": asyncio.run(_trace(spec, engine))}
+            warm_up(spec, engine)
+            # On the engine's own loop: SGLang's engine is bound to the loop it was built on.
+            result = {"requests": engine.loop.run_until_complete(_trace(spec, engine))}
         elif task == "hold":
-            result = asyncio.run(_hold(spec, engine))
+            result = engine.loop.run_until_complete(_hold(spec, engine))
         elif task == "release":
             result = task_release(spec, engine)
         else:

@@ -23,6 +23,9 @@ the plugin registers these hooks, each on a seam of ``_seams.SEAMS``, and nothin
   [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (MLA,
   hybrid SWA or Mamba models, a quantized or page-major pool, one token a page, PD
   disaggregation) is refused there, at start, naming it.
+- ``SchedulerPoolStatsObserver._get_token_info`` (wrapped): the pool statistics SGLang's idle
+  leak check and its metrics read count the pages SGLang holds, not what kvasync can map now
+  (Note [SGLang's idle check] in _allocator).
 - ``Scheduler.get_next_batch_to_run`` (before): once a step, the share's demand, pressure and
   the radix cache's bound (Note [Pressure and the radix cache] in _allocator).
 - ``SchedulerWeightUpdaterManager.release_memory_occupation`` (after): with the KV cache among
@@ -60,6 +63,7 @@ _RELEASE_TIMEOUT = 30.0
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
 _PAGED_NAME = "PagedTokenToKVPoolAllocator"
+_STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
 
 
 def register() -> None:
@@ -159,6 +163,20 @@ def _install(settings: PluginSettings) -> None:
             stock.size, stock.page_size, stock.dtype, stock.device, pool, stock.need_sort
         )
 
+    def token_info(original: Any, observer: Any) -> Any:
+        import dataclasses
+
+        stats = original(observer)
+        unheld = getattr(observer.token_to_kv_pool_allocator, "unheld_size", None)
+        if unheld is None:
+            return stats
+        available = int(unheld())
+        total = int(observer.max_total_num_tokens)
+        used = total - (available + int(stats.full_evictable_size))
+        return dataclasses.replace(
+            stats, full_available_size=available, full_num_used=used, full_token_usage=used / total
+        )
+
     def each_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         from ._allocator import maintain
 
@@ -190,6 +208,7 @@ def _install(settings: PluginSettings) -> None:
     registry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", each_step, kind.BEFORE
     )
+    registry.register(f"{_STATS}._get_token_info", token_info, kind.AROUND)
     registry.register(
         "sglang.srt.managers.scheduler_components.weight_updater."
         "SchedulerWeightUpdaterManager.release_memory_occupation",

@@ -28,6 +28,19 @@ must be what the allocator can hand out:
 - ``clear()`` (a flush: no request runs and the radix cache was reset) gives back every page
   SGLang held, except page 0.
 
+Note [SGLang's idle check]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+When idle, SGLang checks ``available + evictable + protected == max_total_num_tokens`` and, by
+default (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE``), stops the scheduler with "memory leak
+detected" when it does not hold. Here ``available_size()`` is what kvasync can hand out now,
+which an elastic allocator makes smaller than SGLang's unheld pages whenever a page is being
+unmapped, another engine of the share holds budget, or the limit was lowered: not a leak. So the
+pool statistics SGLang's checks and metrics read (``SchedulerPoolStatsObserver._get_token_info``)
+count ``unheld_size()``: SGLang's total less the pages this allocator handed out and has not
+had back. The check is then SGLang's own bookkeeping against this allocator's (a page lost by
+either fails it), and SGLang's token usage is the share of its pages in use. The scheduler's
+admission and retraction still count ``available_size()``.
+
 Note [Pressure and the radix cache]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The radix cache keeps finished requests' pages for prefix hits; they count against the share
@@ -131,6 +144,13 @@ def _build_class() -> type:
             except KVAsyncError as error:
                 self._log_error("available_blocks", error)
             return int(pages) * int(self.page_size)
+
+        def unheld_size(self) -> int:
+            """Tokens of the pages SGLang holds in no request and no radix-cache entry: its total
+            less what it holds, by its own bookkeeping (Note [SGLang's idle check]). kvasync's
+            limit in force may let it map fewer: ``available_size`` is that count."""
+            in_use = len(self._held) - len(self.free_pages)
+            return (int(self.num_pages) - in_use) * int(self.page_size)
 
         # -- allocs ---------------------------------------------------------------------------
 

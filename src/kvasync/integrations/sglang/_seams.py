@@ -117,6 +117,12 @@ SEAMS: tuple[Seam, ...] = (
         "once a scheduler step: the share's demand, pressure and the prefix-cache bound",
     ),
     Seam(
+        "sglang.srt.managers.scheduler_components.pool_stats_observer."
+        "SchedulerPoolStatsObserver._get_token_info",
+        ("self",),
+        "the idle leak check and the metrics count the pages SGLang holds",
+    ),
+    Seam(
         f"{_WEIGHTS}.release_memory_occupation",
         ("self", "recv_req"),
         "release_memory_occupation: the released KV pages are unmapped and go back to the share",
