@@ -363,7 +363,15 @@ class Bench:
             )
             stop = folder / f"{kind}.stop"
             stop.unlink(missing_ok=True)
-            first = self.spawn(folder, f"{kind}_first", "hold", env, hold=hold, stop=str(stop))
+            first = self.spawn(
+                folder,
+                f"{kind}_first",
+                "hold",
+                env,
+                hold=hold,
+                stop=str(stop),
+                engine_args={"cuda_graph_max_bs_decode": 16},
+            )
             starts = []
             try:
                 first.wait("imported", time.monotonic() + 180)
@@ -383,6 +391,7 @@ class Bench:
                         second_env,
                         prompts=[{"ids": prompt_tokens("second", attempt, 256), "max_new": 16}],
                         rounds=1,
+                        engine_args={"cuda_graph_max_bs_decode": 16},
                     )
                     outcome: dict[str, Any] = {"attempt": attempt}
                     try:
