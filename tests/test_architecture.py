@@ -33,8 +33,7 @@ PACKAGE = "kvasync"
 # Source folder -> the package name it is imported as.
 SOURCES = {ROOT / "src" / "kvasync": PACKAGE, ROOT / "kernels": f"{PACKAGE}.kernels"}
 
-# The rooms built on the core. kvasync.ledger, .metrics and .pytest_plugin are the old names of
-# consumers (kept as aliases): the core must not import them either.
+# The rooms built on the core.
 CONSUMER_MODULES = (
     "kvasync.share",
     "kvasync.integrations",
@@ -42,9 +41,6 @@ CONSUMER_MODULES = (
     "kvasync.simulate",
     "kvasync.cli",
     "kvasync.__main__",
-    "kvasync.ledger",
-    "kvasync.metrics",
-    "kvasync.pytest_plugin",
 )
 # Libraries only a consumer needs (optional extras, test or plotting tools): `import kvasync`
 # must work without any of them.
