@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 import kvasync
-from kvasync import ledger
+from kvasync import share as ledger
 
 
 def _has_cuda_driver() -> bool:

@@ -35,7 +35,8 @@ import time
 from typing import Any
 
 import kvasync
-from kvasync import _core, ledger
+from kvasync import _core
+from kvasync import share as ledger
 from kvasync.testing import FaultInjector
 
 LAYOUT = kvasync.KVLayout(

@@ -26,7 +26,8 @@ from click.testing import CliRunner
 from conftest import ledger_lock_taken, wait_until
 
 import kvasync
-from kvasync import _core, ledger
+from kvasync import _core
+from kvasync import share as ledger
 from kvasync.cli import main as cli
 from kvasync.share._cli import format_bytes, parse_size
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import ledger_lock_taken, wait_until
 
 import kvasync
-from kvasync import ledger
+from kvasync import share as ledger
 
 PAGE = 2 << 20  # 4 blocks of 512 KiB per page
 BLOCKS_PER_PAGE = 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import pathlib
 import subprocess
@@ -93,25 +94,12 @@ def test_the_version_has_one_source_and_the_cli_reports_it():
     assert "[bold" not in CliRunner().invoke(main, ["--help"]).output  # no raw markup
 
 
-def test_the_old_names_resolve_to_the_objects_in_their_new_homes():
-    # Moved by the layout of issue 15; the README's "Where things moved" lists them.
-    import kvasync.integrations.metrics
-    import kvasync.integrations.pytest_plugin
-    import kvasync.ledger
-    import kvasync.metrics
-    import kvasync.pytest_plugin
-    import kvasync.share
-
-    moves = [
-        (kvasync.ledger, kvasync.share),
-        (kvasync.metrics, kvasync.integrations.metrics),
-        (kvasync.pytest_plugin, kvasync.integrations.pytest_plugin),
-    ]
-    for old, new in moves:
-        # The old name keeps what it had; names added since live only in the new home.
-        assert set(old.__all__) <= set(new.__all__), old.__name__
-        for name in old.__all__:
-            assert getattr(old, name) is getattr(new, name), f"{old.__name__}.{name}"
+@pytest.mark.parametrize("old", ["kvasync.ledger", "kvasync.metrics", "kvasync.pytest_plugin"])
+def test_the_unreleased_old_module_names_are_gone(old):
+    # Issue 29: shims for names no release ever had (0.1.0 was never released); their homes are
+    # kvasync.share, kvasync.integrations.metrics and kvasync.integrations.pytest_plugin.
+    with pytest.raises(ModuleNotFoundError, match=old.replace(".", r"\.")):
+        importlib.import_module(old)
 
 
 def test_the_pytest11_entry_point_names_the_plugin_in_its_new_home():

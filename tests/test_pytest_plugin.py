@@ -121,27 +121,6 @@ def test_the_backend_option_is_validated_by_name(pytester):
     result.stderr.fnmatch_lines(["*--kvasync-backend*invalid choice*tpu*"])
 
 
-@pytest.mark.parametrize("entry_point", ["loaded", "disabled"])
-def test_the_old_plugin_name_in_pytest_plugins_still_works(pytester, entry_point):
-    # kvasync.pytest_plugin moved to kvasync.integrations.pytest_plugin; a conftest naming the old
-    # module gets the fixtures, the option and the marker, once, with the entry point or without.
-    pytester.makeconftest('pytest_plugins = ["kvasync.pytest_plugin"]\n')
-    disable = ["-p", "no:kvasync"] if entry_point == "disabled" else []
-    result = run(
-        pytester,
-        "@pytest.mark.asyncio",
-        "-o",
-        "asyncio_default_fixture_loop_scope=function",
-        "-p",
-        "no:anyio",
-        "--kvasync-backend=host",
-        *disable,
-    )
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 3, result.stdout.str()
-    assert outcomes.get("passed", 0) >= 2 and "failed" not in outcomes and "errors" not in outcomes
-
-
 def readme_plugin_examples() -> list[str]:
     """The python blocks of the README's pytest-plugin section, in order."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()

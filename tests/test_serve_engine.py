@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import wait_until
 
-from kvasync import Allocator, KVLayout, ledger
+from kvasync import Allocator, KVLayout
+from kvasync import share as ledger
 from kvasync.serve import (
     DeadlineExceeded,
     Engine,

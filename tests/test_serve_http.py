@@ -14,7 +14,7 @@ import openai
 import pytest
 from conftest import kvasync_serve, serving
 
-from kvasync import ledger
+from kvasync import share as ledger
 from kvasync.serve import EngineConfig
 
 MODEL = "kvasync-tiny"
@@ -68,7 +68,9 @@ def test_health_and_metrics(base_url: str) -> None:
     assert httpx.get(f"{base_url}/health", timeout=10).json()["status"] == "ok"
     metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
     assert "kvasync_engine_generation_tokens_total" in metrics
-    assert "kvasync_mapped_bytes" in metrics  # the allocator's collector (kvasync.metrics)
+    assert (
+        "kvasync_mapped_bytes" in metrics
+    )  # the allocator's collector (kvasync.integrations.metrics)
 
 
 def test_python_m_kvasync_serve_starts_and_answers() -> None:

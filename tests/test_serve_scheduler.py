@@ -427,7 +427,8 @@ async def test_admission_in_a_real_share_counts_only_the_headroom_the_other_memb
     # share under pressure]) but no more, though the other holds pages it does not use.
     from conftest import wait_until
 
-    from kvasync import _core, ledger
+    from kvasync import _core
+    from kvasync import share as ledger
 
     layout = kvasync.KVLayout(
         num_layers=1, num_kv_heads=1, head_dim=16, block_size=BLOCK, dtype=torch.float32

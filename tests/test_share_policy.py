@@ -54,7 +54,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvasync
 import kvasync.testing
-from kvasync import _core, ledger
+from kvasync import _core
+from kvasync import share as ledger
 
 LAYOUT = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
 PAGE_SIZE = 64 << 10

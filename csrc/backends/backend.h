@@ -59,7 +59,7 @@ struct BackendResult {
   std::string warning;
 
   static BackendResult success() { return {}; }
-  static BackendResult failure(std::string error) { return {false, std::move(error)}; }
+  static BackendResult failure(std::string error) { return {false, std::move(error), {}}; }
   static BackendResult success_with_warning(std::string warning) {
     return {true, {}, std::move(warning)};
   }

@@ -38,6 +38,7 @@ py::dict entry_dict(const EntryView& v) {
   d["blocked"] = v.blocked;
   d["requested_limit"] = v.requested_limit;
   d["demand_bytes"] = v.demand_bytes;
+  d["capacity_bytes"] = v.capacity_bytes;
   d["op"] = lenient_text(v.op);
   d["op_age_s"] = v.op_age_s;
   d["pid_namespace"] = v.pid_ns;

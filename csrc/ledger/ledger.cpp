@@ -719,6 +719,7 @@ std::vector<EntryView> Ledger::snapshot(double timeout_s) {
     v.blocked = e.blocked.load();
     v.requested_limit = e.requested_limit.load();
     v.demand_bytes = e.demand_bytes.load();
+    v.capacity_bytes = e.capacity_bytes.load();
     v.pid_ns = e.pid_ns.load();
     v.foreign = v.pid_ns != own_ns;
     v.heartbeat_age_s = std::max<int64_t>(0, now - e.heartbeat_ns.load()) / 1e9;
@@ -860,6 +861,7 @@ void ShareMember::take_entry_locked(Ledger& ledger, int slot, int64_t committed_
   e.reserved_bytes.store(0);
   e.used_bytes.store(0);
   e.limit_bytes.store(0);
+  e.capacity_bytes.store(0);
   e.page_bytes.store(page_bytes_);
   e.budget_bytes.store(budget_bytes_);
   e.waiters.store(0);
@@ -1218,7 +1220,8 @@ std::string ShareMember::describe_budget() const {
 }
 
 void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit,
-                          int64_t waiters, const std::string& op, double op_age_s) {
+                          int64_t capacity, int64_t waiters, const std::string& op,
+                          double op_age_s) {
   std::lock_guard<std::mutex> guard(mutex_);
   if (stopping_ || !owns_entry_locked()) return;
   LedgerEntry& e = entry();
@@ -1227,6 +1230,7 @@ void ShareMember::publish(int64_t mapped, int64_t reserved, int64_t used, int64_
   e.reserved_bytes.store(reserved, std::memory_order_relaxed);
   e.used_bytes.store(used, std::memory_order_relaxed);
   e.limit_bytes.store(limit, std::memory_order_relaxed);
+  e.capacity_bytes.store(capacity, std::memory_order_relaxed);
   e.waiters.store(waiters, std::memory_order_relaxed);
   if (load_op(e.op, sizeof e.op) != op) {
     e.op_generation.fetch_add(1, std::memory_order_acq_rel);  // odd: writing

@@ -276,7 +276,12 @@ struct alignas(64) LedgerEntry {
   char op[kLedgerOpBytes];
   // Pages this allocator wants now, in bytes (Note [Fair share under pressure]); its owner's.
   std::atomic<int64_t> demand_bytes;
+  // The pool's whole capacity (every page id mapped), so that a reader tells "no limit" (the
+  // limit in force is the capacity) from a limit. In the entry's padding: sizeof is unchanged,
+  // so files of older writers of this version still open (they leave it 0: unknown).
+  std::atomic<int64_t> capacity_bytes;
 };
+static_assert(sizeof(LedgerEntry) == 320, "the entry's layout is the file's: bump kLedgerVersion");
 
 struct LedgerHeader {
   uint64_t magic;
@@ -309,7 +314,7 @@ struct EntryView {
   uint64_t serial;
   std::string name;
   int64_t committed_bytes, mapped_bytes, reserved_bytes, used_bytes, limit_bytes, page_bytes,
-      budget_bytes, waiters, blocked, requested_limit, demand_bytes;
+      budget_bytes, waiters, blocked, requested_limit, demand_bytes, capacity_bytes;
   std::string op;
   double op_age_s;
   uint64_t pid_ns;
@@ -487,9 +492,10 @@ class ShareMember : public std::enable_shared_from_this<ShareMember> {
   int64_t budget_pages() const;
   std::string describe_budget() const;
 
-  // Figures published by the watcher.
-  void publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit, int64_t waiters,
-               const std::string& op, double op_age_s);
+  // Figures published by the watcher. `limit`: the limit in force; `capacity`: what the pool
+  // holds with every page id mapped (the limit in force when there is none).
+  void publish(int64_t mapped, int64_t reserved, int64_t used, int64_t limit, int64_t capacity,
+               int64_t waiters, const std::string& op, double op_age_s);
   // The limit requested from outside, when it changed since the last call: bytes, or 0 = back to
   // the configured limit. -1 when unchanged.
   int64_t take_requested_limit();

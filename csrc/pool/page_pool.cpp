@@ -445,7 +445,7 @@ void PagePool::plan_maps() {
   }
   if (pages.empty()) return;
   for (int64_t page : pages) incoming_for_waiters_ += pages_[page].num_blocks;
-  Job job{JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline};
+  Job job{JobKind::kMapForRequest, waiters_.back().id, std::move(pages), deadline, {}};
   job.charge_pending = charge_pending;
   push_job(std::move(job));
 }
@@ -464,7 +464,7 @@ void PagePool::plan_refill() {
   }
   if (pages.empty()) return;
   refill_pages_ += static_cast<int64_t>(pages.size());
-  push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)});
+  push_job({JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s), {}});
 }
 
 void PagePool::plan_unmaps() {
@@ -565,7 +565,7 @@ std::optional<std::vector<int64_t>> PagePool::alloc_nowait(int64_t n, bool map_o
       const bool charge_pending = !try_charge_share(pages, false);
       if (!pages.empty()) {
         refill_pages_ += static_cast<int64_t>(pages.size());
-        Job job{JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s)};
+        Job job{JobKind::kRefill, 0, std::move(pages), deadline_after(config_.default_timeout_s), {}};
         job.charge_pending = charge_pending;
         push_job(std::move(job));
       }

@@ -181,7 +181,8 @@ bool PagePool::share_tick_locked(ShareMember& member) {
       (count_[(int)PageState::kFree] + count_[(int)PageState::kInUse]) * page_bytes,
       count_[(int)PageState::kFree] * page_bytes, used_blocks_ * page_bytes / bpp,
       std::min<int64_t>(policy_.limit(), static_cast<int64_t>(pages_.size())) * page_bytes,
-      static_cast<int64_t>(waiters_.size()), op, age);
+      static_cast<int64_t>(pages_.size()) * page_bytes, static_cast<int64_t>(waiters_.size()), op,
+      age);
   return policy_.pressure();
 }
 

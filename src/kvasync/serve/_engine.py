@@ -4,7 +4,8 @@ The engine is three parts, after vLLM's: the scheduler decides (_scheduler.py: a
 preempt, vacate a drain, over plain request state and the allocator's view), the runner computes
 (_runner.py: the forward pass and sampling, in a worker thread), and this module's ``Engine`` is
 the thin async loop that ties them: it asks the scheduler, performs the allocs, frees and copies
-with the allocator, calls the runner and delivers the tokens.
+with the allocator (its base, ``KVBlocks`` in _kv_blocks.py), calls the runner and delivers the
+tokens.
 
 The loop and its policy are Note [Engine scheduling], in _scheduler.py.
 
@@ -32,19 +33,18 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import torch
 
 from .._allocator import Allocator
-from .._errors import AllocTimeout, KVAsyncError, OutOfBlocks
 from .._layout import KVLayout
 from ._config import AllocatorView, EngineConfig, kv_config, map_everything
 from ._errors import DeadlineExceeded, EngineClosed, RequestFailed
+from ._kv_blocks import EngineRequest, KVBlocks
 from ._model import Transformer
 from ._records import Completion, EngineStats, RequestRecord
 from ._runner import ModelRunner, SamplingParams
-from ._scheduler import Request, Scheduler
+from ._scheduler import Scheduler
 
 __all__ = [
     "Completion",
@@ -60,19 +60,7 @@ _IDLE_WAIT_S = 0.05  # how long an idle engine sleeps between deadline checks
 _STREAM_GRACE_S = 5.0  # past its deadline, a reader stops waiting for the loop to fail it
 
 
-@dataclass(eq=False)
-class _Request(Request):
-    """A request as the engine holds it: the scheduler's state, plus how it samples, where its
-    tokens go, and the alloc of the blocks it grows into."""
-
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    events: asyncio.Queue[int | BaseException | None] = field(default_factory=asyncio.Queue)
-    grow: asyncio.Task[list[int]] | None = None
-    first_token: float | None = None
-    record: RequestRecord | None = None
-
-
-class Engine:
+class Engine(KVBlocks):
     """A continuous-batching engine over kvasync (see Note [Engine scheduling]).
 
     Open it with ``open_engine(config)`` (an async context manager) or ``await Engine.open``,
@@ -88,7 +76,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, kv, use_kernel)
         self._loop = asyncio.get_running_loop()
-        self.scheduler: Scheduler[_Request] = Scheduler(
+        self.scheduler: Scheduler[EngineRequest] = Scheduler(
             AllocatorView(kv, config),
             block_size=model.config.block_size,
             max_batch=config.max_batch,
@@ -260,7 +248,7 @@ class Engine:
 
     # -- the loop (Note [Engine scheduling]) ------------------------------------------------
 
-    async def _stream(self, request: _Request) -> AsyncGenerator[str, None]:
+    async def _stream(self, request: EngineRequest) -> AsyncGenerator[str, None]:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             while True:
@@ -298,7 +286,7 @@ class Engine:
         temperature: float,
         seed: int | None,
         timeout: float | None,
-    ) -> _Request:
+    ) -> EngineRequest:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"prompt must be a non-empty str, got {prompt!r:.40}")
         tokens = list(prompt.encode())
@@ -316,7 +304,7 @@ class Engine:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         if self._closed:
             raise EngineClosed("the engine is closed")
-        request = _Request(
+        request = EngineRequest(
             request_id=next(self._ids),
             prompt=tokens,
             max_tokens=max_tokens,
@@ -364,145 +352,6 @@ class Engine:
                     f"({where}, {len(request.output)}/{request.max_tokens} tokens done)"
                 ),
             )
-
-    async def _admit(self) -> None:
-        scheduler = self.scheduler
-        while (admission := scheduler.next_admission(self._loop.time())) is not None:
-            request, need = admission.request, admission.need
-            try:
-                # Alone, a request may wait up to its deadline: nothing else would run.
-                if admission.alone:
-                    blocks = await self.kv.alloc(need, deadline=scheduler.deadline_for(request))
-                else:
-                    blocks = await self.kv.alloc(need, timeout=self.config.alloc_timeout)
-            except AllocTimeout:
-                if scheduler.running:
-                    scheduler.pause(self._loop.time())
-                return  # alone: _expire fails whoever's deadline passed, then it retries
-            except KVAsyncError as error:  # OutOfBlocks, MapError, AllocatorClosed
-                self._finish(request, _failure(request, need, error))
-                continue
-            if not scheduler.admitted(request, blocks):
-                # Aborted by its caller (or the engine closed) while the alloc waited.
-                self._free(blocks)
-
-    async def _grow(self) -> None:
-        await self._vacate_draining()
-        plan = self.scheduler.plan_growth(self._loop.time())
-        for request, need in plan.grows:
-            request.grow = asyncio.ensure_future(self.kv.alloc(need, deadline=request.deadline))
-        if plan.too_large is not None:
-            request, need = plan.too_large
-            error = OutOfBlocks(f"the cache holds {self.scheduler.view.capacity_blocks()} blocks")
-            self._finish(request, _failure(request, need, error))
-        elif plan.alone is not None:
-            await self._grow_alone(*plan.alone)
-        if any(r.grow is not None for r in self.scheduler.running):
-            # An alloc that finds its blocks free completes in its task's first step.
-            await asyncio.sleep(0)
-            self._collect_grows()
-
-    async def _grow_alone(self, request: _Request, need: int) -> None:
-        # Nothing else would run: wait here, up to the earliest deadline (then _expire).
-        try:
-            blocks = await self.kv.alloc(need, deadline=self.scheduler.deadline_for(request))
-        except AllocTimeout:
-            return  # _expire fails it at its deadline
-        except KVAsyncError as error:  # OutOfBlocks: it can never fit; MapError, closed
-            self._finish(request, _failure(request, need, error))
-            return
-        if request in self.scheduler.running:
-            request.blocks.extend(blocks)
-        else:  # expired or aborted while its alloc waited
-            self._free(blocks)
-
-    def _collect_grows(self) -> None:
-        """Takes the blocks of the grows that completed; preempts the youngest request when one
-        has waited past the patience (Note [Engine scheduling])."""
-        scheduler = self.scheduler
-        now = self._loop.time()
-        overdue = False
-        for request in list(scheduler.running):
-            task = request.grow
-            if task is None:
-                continue
-            if not task.done():
-                overdue = overdue or scheduler.overdue(request, now)
-                continue
-            request.grow = None
-            request.grow_since = None
-            error = task.exception()
-            if error is None:
-                scheduler.grown(request, task.result())
-            elif isinstance(error, AllocTimeout):
-                pass  # its deadline passed: _expire fails it
-            elif isinstance(error, OutOfBlocks) and scheduler.make_room() is not None:
-                pass  # it fits alone: the youngest made room
-            elif isinstance(error, KVAsyncError):  # can never fit alone, MapError, closed
-                need = scheduler.blocks_needed(request)
-                self._finish(request, _failure(request, need, error))
-            else:  # a bug: fail the request with it rather than ask again forever
-                self._finish(
-                    request, RequestFailed(f"growing request {request.request_id}: {error!r}")
-                )
-        if overdue:
-            scheduler.make_room()
-
-    async def _vacate_draining(self) -> None:
-        """Moves the running requests' blocks out of the pages the allocator drains (the drain of
-        Note [Limit policy] in kvasync's page pool), preempting the youngest holders only while the
-        blocks to move do not fit below the drain. A request alone whose blocks cannot fit is
-        preempted too: requeued, it is readmitted when memory allows, or fails with RequestFailed if
-        the lowered limit can never hold it."""
-        drain = self.scheduler.draining()
-        if drain is None:
-            return
-        # Grows are asked again after the move: a waiting one holds blocks back from it. Its
-        # cancellation reaches the allocator when the task runs, so wait for that first.
-        growing = [r.grow for r in self.scheduler.running if r.grow is not None]
-        for request in self.scheduler.running:
-            self._drop_grow(request)
-        if growing:
-            await asyncio.wait(growing, timeout=self.scheduler.patience)
-        plan = self.scheduler.plan_vacate(drain)
-        if not plan.holders:
-            return
-        try:
-            targets = self.kv.alloc_nowait(plan.count)
-        except KVAsyncError:  # WouldBlock: pages still on their way; the next step tries again
-            return
-        sources, destinations = plan.assign(targets)
-        self.kv.copy(sources, destinations)  # every layer's K and V, one launch
-        if self._on_cuda:
-            # NOTE: wait for the copy (no step runs now; it is one launch): the sources may then
-            # be unmapped at once, and so may the destinations if their request is preempted
-            # or aborted before the next step (a free() without a fence, as everywhere here).
-            torch.cuda.current_stream(self.model.device).synchronize()
-        self._counts["moved_blocks"] += len(sources)
-        self.kv.free(sources)
-
-    def _drop_grow(self, request: _Request) -> None:
-        task, request.grow = request.grow, None
-        request.grow_since = None
-        if task is None:
-            return
-        if not task.done():
-            task.cancel()  # cancelling an alloc leaks nothing (kvasync's contract)
-        elif not task.cancelled() and task.exception() is None:
-            self._free(task.result())
-
-    def _release(self, request: _Request) -> None:
-        """The scheduler preempts ``request``: its pending alloc and its blocks go back."""
-        self._drop_grow(request)
-        self._free(request.blocks)
-
-    def _free(self, blocks: list[int]) -> None:
-        # NOTE: no free(after=stream) on cuda: a step ends by copying its sampled tokens to the
-        # host, so the device work that used the blocks is complete when the step is.
-        if self._step_future is not None:
-            self._deferred_frees.extend(blocks)  # the running step may still write into them
-        else:
-            self.kv.free(blocks)
 
     async def _step(self) -> None:
         batch = self.scheduler.ready()
@@ -576,7 +425,7 @@ class Engine:
             result.cancel()  # only when cancelled itself (close): as awaiting it would
         return result.result()
 
-    def _finish(self, request: _Request, error: BaseException | None) -> None:
+    def _finish(self, request: EngineRequest, error: BaseException | None) -> None:
         if request.done:
             return
         request.done = True
@@ -599,15 +448,6 @@ class Engine:
         )
         self._records.append(request.record)
         request.events.put_nowait(error)
-
-
-def _failure(request: _Request, need: int, error: KVAsyncError) -> RequestFailed:
-    if isinstance(error, OutOfBlocks):
-        return RequestFailed(
-            f"request {request.request_id} needs {need} more KV blocks, more than the cache can "
-            f"ever hold ({error}); shorten it or raise the memory limit"
-        )
-    return RequestFailed(f"request {request.request_id} failed: {type(error).__name__}: {error}")
 
 
 @asynccontextmanager

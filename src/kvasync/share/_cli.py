@@ -2,8 +2,9 @@
 
 Named by the ``kvasync`` command group (``kvasync/cli.py``), which imports this module when one of
 them runs. Each takes ``--share NAME`` (default: the ``KVASYNC_SHARE`` environment variable, else
-``kvasync.share.default_share(0)``). A size is read by ``kvasync.cli.SIZE``, as every command
-reads one, and written by ``kvasync._sizes``.
+the share of the machine's device: CUDA device 0's where CUDA is usable, else the host backend's;
+``choose_share``). A size is read by ``kvasync.cli.SIZE``, as every command reads one, and written
+by ``kvasync._sizes``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,41 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from .. import _core
 from .._errors import KVAsyncError
 from .._sizes import format_bytes as format_bytes
 from .._sizes import parse_size as parse_size
 from ..cli import SHARE, SIZE
 from . import _ledger as ledger
 
-__all__ = ["format_bytes", "limit_command", "ls_command", "parse_size", "top_command"]
+__all__ = [
+    "choose_share",
+    "format_bytes",
+    "limit_command",
+    "ls_command",
+    "parse_size",
+    "top_command",
+]
 
 STALLED_AFTER_S = 1.0  # a mapper op older than this is shown as stalled
 
 
-def _default_share() -> str:
-    return os.environ.get("KVASYNC_SHARE") or ledger.default_share(0)
+def choose_share(share: str | None) -> tuple[str, str]:
+    """The share a command acts on, and why that one ("" when ``--share`` named it).
+
+    Without ``--share``: ``$KVASYNC_SHARE``, else the share of this machine's device, CUDA
+    device 0's where the cuda backend can be used, else the host backend's (``"host"``): where
+    the allocators of a machine without CUDA are.
+    """
+    if share is not None:
+        return share, ""
+    named = os.environ.get("KVASYNC_SHARE")
+    if named:
+        return named, "from $KVASYNC_SHARE"
+    problem = _core.cuda_problem(0)
+    if problem is None:
+        return ledger.default_share(0), "the default: CUDA device 0's"
+    return ledger.default_share("host"), f"the default on a machine without CUDA: {problem}"
 
 
 def _share_option() -> click.Option:
@@ -40,18 +63,40 @@ def _share_option() -> click.Option:
         ["--share"],
         default=None,
         type=SHARE,
-        help="The share's name (default: $KVASYNC_SHARE, else the share of CUDA device 0).",
+        help="The share's name (default: $KVASYNC_SHARE, else the share of CUDA device 0, or "
+        "'host' on a machine without CUDA).",
     )
 
 
-def _snapshot(share: str) -> list[ledger.LedgerEntry]:
+def _why_text(command: str, share: str, why: str) -> str:
+    """What an error adds when the share was not named: which one the command took, and why."""
+    if not why:
+        return ""
+    return (
+        f"; kvasync {command} used share {share!r} ({why}): name another with --share NAME "
+        "or $KVASYNC_SHARE"
+    )
+
+
+def _stale_text(share: str) -> str:
+    return (
+        f"share {share!r} has no live allocator: its ledger file is left over from processes "
+        f"that exited without leaving; `kvasync ls --prune --share {share}` removes it"
+    )
+
+
+def _snapshot(share: str, why_text: str) -> list[ledger.LedgerEntry]:
     try:
         return ledger.snapshot(share)
     except (KVAsyncError, ValueError, TypeError) as error:
-        message = str(error)
-        if not os.path.exists(ledger.path(share)):
-            message += f" ({_shares_text()})"
-        raise click.ClickException(message) from error
+        raise click.ClickException(_failure_text(share, error, why_text)) from error
+
+
+def _failure_text(share: str, error: Exception, why_text: str) -> str:
+    message = str(error)
+    if not os.path.exists(ledger.path(share)):
+        message += f" ({_shares_text()})"
+    return message + why_text
 
 
 def _snapshot_if_any(share: str) -> list[ledger.LedgerEntry] | None:
@@ -103,7 +148,7 @@ def _cells(e: ledger.LedgerEntry) -> list[str | Text]:
         format_bytes(e.mapped_bytes),
         format_bytes(e.reserved_bytes),
         format_bytes(e.demand_bytes),
-        format_bytes(e.limit_bytes),
+        format_bytes(e.limit_bytes) if e.limited else "none",
         Text(waiters, style="yellow" if e.waiters else ""),
         _op_text(e),
     ]
@@ -152,8 +197,11 @@ def _summary(share: str, entries: list[ledger.LedgerEntry]) -> dict[str, object]
     }
 
 
-def _waiting(share: str) -> Text:
-    return Text(f"kvasync share {share!r}: waiting for allocators to join ({_shares_text()})")
+def _waiting(share: str, why: str) -> Text:
+    about = f" ({why})" if why else ""
+    return Text(
+        f"kvasync share {share!r}{about}: waiting for allocators to join ({_shares_text()})"
+    )
 
 
 def _prune(names: list[str]) -> None:
@@ -180,22 +228,24 @@ def _prune(names: list[str]) -> None:
 def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
     """Lists every allocator on a device share once.
 
-    Without --share or $KVASYNC_SHARE, and with no ledger for CUDA device 0, lists every share
-    on this machine instead.
+    Without --share or $KVASYNC_SHARE, and with no ledger for this machine's default share (CUDA
+    device 0's, or 'host' without CUDA), lists every share on this machine instead. A share
+    with no live allocator (a ledger file left by processes that died) is named apart, with
+    the command that removes it.
     """
     if prune:
         _prune([share] if share is not None else ledger.shares())
         return
-    chosen = share if share is not None else os.environ.get("KVASYNC_SHARE")
-    name = chosen or _default_share()
-    # No share named and none for CUDA device 0 here: say what there is instead of failing.
-    every_share = not chosen and not os.path.exists(ledger.path(name))
+    name, why = choose_share(share)
+    # No share named and none by default here: say what there is instead of failing.
+    named = share is not None or bool(os.environ.get("KVASYNC_SHARE"))
+    every_share = not named and not os.path.exists(ledger.path(name))
     names = ledger.shares() if every_share else [name]
     found: list[tuple[str, list[ledger.LedgerEntry]]] = []
     unusable = []
     for n in names:
         if not every_share:
-            found.append((n, _snapshot(n)))  # a share asked for by name must exist
+            found.append((n, _snapshot(n, _why_text("ls", n, why))))  # it must exist
             continue
         try:
             entries = _snapshot_if_any(n)
@@ -204,6 +254,7 @@ def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
             continue
         if entries is not None:  # None: its last allocator left since it was listed
             found.append((n, entries))
+    stale = [n for n, entries in found if not entries]
     if as_json:
         summaries = [_summary(n, entries) for n, entries in found]
         click.echo(json.dumps({"shares": summaries} if every_share else summaries[0], indent=2))
@@ -212,10 +263,19 @@ def ls_command(share: str | None, as_json: bool, prune: bool) -> None:
         if every_share and not found and not unusable:
             console.print(Text(f"kvasync: {_shares_text()}"))
         for n, entries in found:
-            console.print(render(n, entries, console))
+            if entries or not every_share:  # in the overview, the stale ones are listed below
+                console.print(render(n, entries, console))
     # An overview nobody asked of one share: a file it cannot read is reported, not a failure.
     for line in unusable:
         click.echo(f"kvasync: cannot read share {line}", err=True)
+    if stale and every_share:
+        click.echo(
+            f"kvasync: {len(stale)} stale ledger file(s) (no live allocator): "
+            f"{', '.join(stale)}; `kvasync ls --prune` removes them",
+            err=True,
+        )
+    elif stale:
+        click.echo(f"kvasync: {_stale_text(stale[0])}", err=True)
 
 
 @click.command("top", params=[_share_option()])
@@ -238,7 +298,7 @@ def top_command(share: str | None, interval: float, count: int) -> None:
     A share nobody has joined yet (or whose allocators all left) is shown as waiting: top keeps
     refreshing until allocators join.
     """
-    name = share if share is not None else _default_share()
+    name, why = choose_share(share)
     console = Console()
     refreshes = 0
 
@@ -246,8 +306,10 @@ def top_command(share: str | None, interval: float, count: int) -> None:
         try:
             entries = _snapshot_if_any(name)
         except (KVAsyncError, ValueError) as error:
-            raise click.ClickException(str(error)) from error
-        return render(name, entries, console) if entries else _waiting(name)
+            raise click.ClickException(str(error) + _why_text("top", name, why)) from error
+        if entries == []:  # a file, nobody in it
+            return Text(f"kvasync: {_stale_text(name)}; waiting for allocators to join")
+        return render(name, entries, console) if entries else _waiting(name, why)
 
     try:
         with Live(view(), console=console, auto_refresh=False) as live:
@@ -259,18 +321,47 @@ def top_command(share: str | None, interval: float, count: int) -> None:
         pass
 
 
+NO_LIMIT = "none"
+"""``kvasync limit PID none``: back to each allocator's configured limit."""
+
+
+# click >= 8.3 makes ParamType generic; subscripting it would break the click 8.1 we support.
+class _Limit(click.ParamType):  # type: ignore[type-arg]
+    """A size (as ``SIZE``), or ``none``. Not None for none: click takes a required argument
+    converted to None for a missing one."""
+
+    name = "size"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int | str:
+        if isinstance(value, str) and value.strip().lower() == NO_LIMIT:
+            return NO_LIMIT
+        try:
+            return SIZE.convert(value, param, ctx)
+        except click.BadParameter as error:
+            self.fail(f"{error.message}; or none, to go back to the configured limit", param, ctx)
+
+
 @click.command("limit", params=[_share_option()])
 @click.argument("pid", type=click.IntRange(min=1))
-@click.argument("size", type=SIZE)
-def limit_command(share: str | None, pid: int, size: int) -> None:
-    """Sets the memory limit of process PID's allocators to SIZE (12GiB, 512MiB, ...).
+@click.argument("size", type=_Limit())
+def limit_command(share: str | None, pid: int, size: int | str) -> None:
+    """Sets the memory limit of process PID's allocators to SIZE (12GiB, 512MiB, ...); SIZE
+    none removes the limit set from outside (each allocator goes back to its configured one).
 
     The allocators apply it in the background: they stop growing above it and give back free
-    pages at once and others as blocks are freed.
+    pages at once and others as blocks are freed; raised or removed, they grow again.
     """
-    name = share if share is not None else _default_share()
+    name, why = choose_share(share)
+    limit = None if size == NO_LIMIT else int(size)
     try:
-        count = ledger.set_limit(name, pid, size)
+        count = ledger.set_limit(name, pid, limit)
     except (KVAsyncError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
-    click.echo(f"limit of {format_bytes(size)} set on {count} allocator(s) of process {pid}")
+        why_text = _why_text("limit", name, why)
+        raise click.ClickException(_failure_text(name, error, why_text)) from error
+    where = f"{count} allocator(s) of process {pid} on share {name!r}"
+    if limit is None:
+        click.echo(f"limit removed from {where}: each is back to its configured memory limit")
+    else:
+        click.echo(f"limit of {format_bytes(limit)} set on {where}")

@@ -2,11 +2,10 @@
 
 Allocators join a share with ``Config(share=..., device_budget=...)``; together they never map
 more than the budget (csrc/ledger/ledger.h, Note [Share ledger]). This module reads the ledger and
-sets
-limits from outside: it is what ``kvasync top``, ``kvasync ls`` and ``kvasync limit`` use.
+sets limits from outside: it is what ``kvasync top``, ``kvasync ls`` and ``kvasync limit`` use.
 
-    >>> from kvasync import ledger
-    >>> for entry in ledger.snapshot(ledger.default_share(0)):
+    >>> from kvasync import share
+    >>> for entry in share.snapshot(share.default_share(0)):
     ...     print(entry.pid, entry.name, entry.mapped_bytes, entry.limit_bytes)
 """
 
@@ -64,6 +63,15 @@ class LedgerEntry:
     pid_namespace: int = 0
     foreign: bool = False
     heartbeat_age_s: float = 0.0
+    # What the allocator holds with every page id mapped: ``limit_bytes`` equal to it means no
+    # limit in force. 0 until its first publication (or from a writer older than this field).
+    capacity_bytes: int = 0
+
+    @property
+    def limited(self) -> bool:
+        """Whether a limit below the allocator's capacity is in force (its own, one set from
+        outside, or its fair share of a share under pressure)."""
+        return self.capacity_bytes == 0 or self.limit_bytes < self.capacity_bytes
 
     def as_dict(self) -> dict[str, Any]:
         """The entry as a JSON-ready dict."""
@@ -116,6 +124,7 @@ def snapshot(share: str, *, timeout: float = DEFAULT_TIMEOUT) -> list[LedgerEntr
             pid_namespace=row["pid_namespace"],
             foreign=row["foreign"],
             heartbeat_age_s=row["heartbeat_age_s"],
+            capacity_bytes=row["capacity_bytes"],
         )
         for row in rows
     ]
