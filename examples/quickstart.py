@@ -16,10 +16,11 @@ async def main() -> None:
         ids = await kv.alloc(8, timeout=1.0)  # 8 block ids, mapped before they are handed out
         k, v = kv.layer(0)  # views over the virtual range: [blocks, block_size, heads, head_dim]
         k[ids], v[ids] = 1.0, -1.0  # write the blocks' keys and values in layer 0
-        print(f"{kv.backend}: blocks {ids}, {kv.stats().mapped_pages} page(s) mapped")
+        print(f"{kv.backend}: {len(ids)} blocks written, {kv.stats().used_blocks} in use")
         kv.free(ids)
         await kv.trim()  # give the free pages back now instead of keeping a reserve
-        print(f"after trim: {kv.stats().mapped_pages} page(s) mapped")
+        stats = kv.stats()
+        print(f"after free and trim: {stats.used_blocks} in use, {stats.mapped_pages} pages mapped")
 
 
 asyncio.run(main())
