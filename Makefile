@@ -15,7 +15,8 @@ $(VENV)/.deps: pyproject.toml
 	$(PIP) install -q "$(TORCH)" "triton>=3.2" numpy "pybind11>=2.13" "scikit-build-core>=0.10" \
 		"pytest>=8" "pytest-asyncio>=0.24" "pytest-timeout>=2.3" "ruff>=0.6" "mypy>=1.11" "uvloop>=0.19" \
 		"click>=8.1" "rich>=13" "hypothesis>=6.100" "anyio>=4.4" "trio>=0.26" "prometheus-client>=0.20" \
-		"fastapi>=0.110" "uvicorn>=0.30" "httpx>=0.27" "openai>=1.40" "matplotlib>=3.8"
+		"fastapi>=0.110" "uvicorn>=0.30" "httpx>=0.27" "openai>=1.40" "matplotlib>=3.8" \
+		"mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
 	touch $@
 
 install: $(VENV)/.deps
@@ -26,9 +27,10 @@ demo: install
 
 test: install sanitize
 	$(PY) -m pytest
-	$(VENV)/bin/ruff format --check src kernels tests bench
-	$(VENV)/bin/ruff check src kernels tests bench
+	$(VENV)/bin/ruff format --check src kernels tests bench examples
+	$(VENV)/bin/ruff check src kernels tests bench examples
 	$(VENV)/bin/mypy --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 # The C++ harnesses under ThreadSanitizer, then AddressSanitizer + UBSan: any report or broken
 # invariant fails. tests/cpp/pool_stress.cpp (the pool and the mapper driven from several threads

@@ -188,7 +188,11 @@ class Engine(KVBlocks):
         further token is computed for it (an HTTP server does so when the client has left).
 
         Raises:
-            The same as ``generate``.
+            ValueError: an empty prompt, one too long for the model, or bad numbers.
+            RequestTooLarge: prompt + max_tokens can never fit the KV cache (a ValueError too).
+            DeadlineExceeded: the deadline passed first.
+            RequestFailed: the request cannot be served (its KV can never fit, ...).
+            EngineClosed: the engine closed first.
         """
         request = self._submit(prompt, max_tokens, temperature, seed, timeout)
         text = "".join([piece async for piece in self._stream(request)])
