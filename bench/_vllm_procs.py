@@ -106,7 +106,8 @@ class Clock:
 
 
 class Engine:
-    """One engine process (``bench_vllm.py --child SPEC``), its files under ``folder``."""
+    """One engine process (``bench_vllm.py --child SPEC``, or ``script``'s), its files under
+    ``folder``."""
 
     def __init__(
         self,
@@ -116,6 +117,7 @@ class Engine:
         env: dict[str, str],
         *,
         go_within_s: float = 300.0,
+        script: pathlib.Path = BENCH,
     ) -> None:
         self.name = name
         self.folder = folder
@@ -147,7 +149,7 @@ class Engine:
         self.spawned = time.monotonic()
         # Its own session: the multiprocess executor's workers die with it on a kill.
         self.process = subprocess.Popen(
-            [sys.executable, str(BENCH), "--child", str(spec_path)],
+            [sys.executable, str(script), "--child", str(spec_path)],
             env=full_env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
