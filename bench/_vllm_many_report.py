@@ -35,10 +35,17 @@ def print_paper(case: dict[str, Any]) -> None:
         f"TTFT {spec['slo_ttft_s']} s, TPOT {spec['slo_tpot_s'] * 1e3:.0f} ms)"
     )
     print_table(case["paper"]["columns"], case["paper"]["rows"])
+    load = case["paper"].get("prefill_load")
+    if load is not None:
+        print(
+            f"\nThe prompts ask {100 * load:.0f}% of the GPU's time over the arrivals (prefill "
+            "rates per model: priors in bench/_vllm_many.py, PREFILL_TOK_S)"
+        )
     sims = case["paper"].get("simulated", {})
     if sims:
         print(
-            "\nOn paper (bench/_vllm_many_sim.py, step model priors): requests within SLO "
+            f"\nOn paper (bench/_vllm_many_sim.py, step model priors): of "
+            f"{case['paper'].get('requests', '?')} requests, within SLO "
             + ", ".join(f"{k} {v}" for k, v in sims.items())
             + " ('alone': each engine with the whole budget, an upper bound for shared)"
         )
@@ -153,7 +160,8 @@ def print_checks(case: dict[str, Any], found: dict[str, dict[str, Any]]) -> None
             )
         spells = [(e, x) for e, xs in s["idle"].items() for x in xs]
         if spells:
-            worst = max((x["release_s"] for _, x in spells), default=math.nan)
+            times = [x["release_s"] for _, x in spells]
+            worst = math.nan if any(math.isnan(t) for t in times) else max(times)
             late = [
                 (e, x)
                 for e, x in spells
@@ -178,6 +186,22 @@ def print_checks(case: dict[str, Any], found: dict[str, dict[str, Any]]) -> None
                     for m, t in turns.items()
                 )
             )
+    static, shared = found.get("stock-1N"), found.get("shared")
+    if static is not None:
+        if spec["kind"] == "memory":
+            verdict = "yes" if checks.memory_bound(static, shared) else "NO"
+            print(f"\nregime check, memory-bound: {verdict}", end="")
+        elif shared is not None:
+            verdict = "yes" if checks.compute_bound(static, shared) else "NO"
+            print(f"\nregime check, compute-bound: {verdict}", end="")
+        print(
+            " (queued request-s, memory / compute: "
+            + "; ".join(
+                f"{n} {s['queue_memory_s']:.0f} / {s['queue_compute_s']:.0f}"
+                for n, s in found.items()
+            )
+            + ")"
+        )
     crest = {n: s["crest"] for n, s in found.items()}
     if crest:
         print(
@@ -255,6 +279,37 @@ def goal_rows(
                 + ("" if regime else " (regime check: not compute-bound)"),
             ]
         )
+    for case, summaries_ in found.items():
+        shared_run = summaries_.get("shared")
+        if shared_run is None:
+            continue
+        peak = shared_run.get("ledger_peak", {}).get("committed")
+        budget = cases[case]["spec"]["budget"] if "spec" in cases[case] else None
+        if peak is not None and budget:
+            rows.append(
+                [
+                    f"{case}: the ledger never over the budget (shared run)",
+                    f"{peak / GIB:.3f} GiB",
+                    f"{budget / GIB:.3f} GiB",
+                    fmt(peak / budget, 3),
+                    "met" if peak <= budget else "NOT met",
+                ]
+            )
+        spells = [x for xs in shared_run.get("idle", {}).values() for x in xs]
+        if spells:
+            times = [x["release_s"] for x in spells]
+            ok = all(t <= checks.IDLE_BOUND_S for t in times)  # False for a NaN: never back
+            slowest = math.nan if any(math.isnan(t) for t in times) else max(times)
+            rows.append(
+                [
+                    f"{case}: an idle engine back to its null block's page + reserve within "
+                    f"{checks.IDLE_BOUND_S:.0f} s (shared run)",
+                    "one never back" if math.isnan(slowest) else f"{slowest:.2f} s (slowest)",
+                    f"{len(spells)} idle spells",
+                    "-",
+                    "met" if ok else "NOT met",
+                ]
+            )
     cold = [
         c
         for case in ("memory4", "memory8")

@@ -224,3 +224,23 @@ def test_a_goal_whose_regime_check_fails_says_so() -> None:
     found = {"memory4": {"stock-1N": summary(100, 1.0, 50.0), "shared": summary(300)}}
     (row,) = report.goal_rows({"memory4": {}}, found)
     assert row[-1] == "met (regime check: not memory-bound)"
+
+
+def test_goal_rows_hold_the_shared_run_to_the_budget_and_the_idle_bound() -> None:
+    cases: dict[str, dict[str, Any]] = {"memory8": {"spec": {"budget": 8 * GIB}}}
+    shared = {
+        **summary(300),
+        "ledger_peak": {"committed": 8 * GIB, "mapped": 7 * GIB},
+        "idle": {"0": [{"release_s": 0.2}], "3": [{"release_s": 0.9}, {"release_s": 0.4}]},
+    }
+    found = {"memory8": {"stock-1N": summary(100), "shared": shared}}
+    rows = report.goal_rows(cases, found)
+    assert [row[-1] for row in rows] == ["met", "met", "met"]
+    assert rows[1][1:4] == ["8.000 GiB", "8.000 GiB", "1.000"]
+    assert rows[2][1:3] == ["0.90 s (slowest)", "3 idle spells"]
+    # One byte over the budget, and a spell that never came back (NaN) wherever it is.
+    shared["ledger_peak"]["committed"] = 8 * GIB + 1
+    shared["idle"]["0"] = [{"release_s": math.nan}, {"release_s": 0.1}]
+    rows = report.goal_rows(cases, found)
+    assert [row[-1] for row in rows] == ["met", "NOT met", "NOT met"]
+    assert rows[2][1] == "one never back"
