@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import threading
 import time
@@ -18,6 +19,7 @@ from _vllm_many_hindsight import fitted_models, hindsight_splits, horizon, paper
 from _vllm_procs import (
     FAILURES,
     GIB,
+    Died,
     Engine,
     GpuSampler,
     OutOfTime,
@@ -39,6 +41,24 @@ def variants_for(name: str, args: argparse.Namespace) -> list[str]:
         "compute4": args.compute_variants,
     }[name]
     return chosen
+
+
+def compact(value: Any) -> Any:
+    """``value`` with its floats rounded to 0.1 ms or 0.1 MiB (4 decimals): a whole run's
+    summary.json stays a few MiB (a device call brings back files of 16 MiB at most)."""
+    if isinstance(value, float):
+        return value if math.isnan(value) or math.isinf(value) else round(value, 4)
+    if isinstance(value, dict):
+        return {k: compact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [compact(v) for v in value]
+    return value
+
+
+def write_summary(path: pathlib.Path, summary: dict[str, Any]) -> None:
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(compact(summary)))
+    staging.replace(path)
 
 
 def stamp() -> str:
@@ -187,7 +207,10 @@ class CaseRun:
             results = []
             for engine in engines:
                 engine.wait("result", self.run.clock.grace(self.max_s + 60.0))
-                results.append(engine.result())
+                result = engine.result()
+                if result is None:  # its "result" event came, its file did not parse
+                    raise Died(engine.name, "result", time.monotonic() - t, "no result file")
+                results.append(result)
             record["engines"] = results
         except FAILURES as error:
             record["failure"] = str(error)
@@ -268,17 +291,17 @@ def run_case(
                 )
                 record["simulated"] = sum(simulated(case, cr.plan, split, models, cr.give_up))
             data["variants"][variant] = record
-            within = report.summaries({**data, "variants": {variant: record}}).get(variant)
-            say(
-                f"   {variant}: "
-                + (
+            try:
+                within = report.summaries({**data, "variants": {variant: record}}).get(variant)
+                done = (
                     f"{within['within_slo']}/{within['requests']} within SLO"
                     if within
                     else record.get("failure", "")
                 )
-                + f" ({record['wall_s']:.0f} s)"
-            )
-            (run.out / "summary.json").write_text(json.dumps(summary))
+            except Exception as error:  # the report's bug must not cost the run its next variant
+                done = f"(no summary: {type(error).__name__}: {error})"
+            say(f"   {variant}: {done} ({record['wall_s']:.0f} s)")
+            write_summary(run.out / "summary.json", summary)
             index += 1
     finally:
         kill_all(upcoming)

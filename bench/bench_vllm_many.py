@@ -66,12 +66,13 @@ import json
 import pathlib
 import sys
 import time
+import traceback
 from typing import Any
 
 import _vllm_many as plan_
 import _vllm_many_report as report
 from _vllm_many_hindsight import horizon, paper
-from _vllm_many_runs import START_S, run_case, say, variants_for
+from _vllm_many_runs import START_S, run_case, say, variants_for, write_summary
 from _vllm_procs import GIB, Run
 
 CASES = ("memory4", "memory8", "compute4")
@@ -257,9 +258,12 @@ def main() -> None:
             )
             say(f"{case.name}: {type(error).__name__}: {error}")
         summary["wall_s"] = time.monotonic() - run.clock.t0
-        (args.out / "summary.json").write_text(json.dumps(summary))
+        write_summary(args.out / "summary.json", summary)
         run.archive()
-    report.report_all(summary, args.out)
+    try:
+        report.report_all(json.loads((args.out / "summary.json").read_text()), args.out)
+    except Exception:  # the data is in summary.json: --report OUT prints it again
+        traceback.print_exc()
     say(f"whole run {time.monotonic() - run.clock.t0:.0f} s; data in {args.out}")
 
 

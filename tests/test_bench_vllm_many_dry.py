@@ -103,7 +103,9 @@ def test_the_shared_run_keeps_the_ledger_within_the_budget(
     shared = case["variants"]["shared"]
     ledger = shared["ledger"]
     assert len(ledger) > 20
-    assert set(ledger[-1]["members"]) == {"e0-1b", "e1-1b", "e2-3b", "e3-8b"}
+    # Every engine a member at once (they leave one by one as they end).
+    assert max(len(s["members"]) for s in ledger) == 4
+    assert {n for s in ledger for n in s["members"]} == {"e0-1b", "e1-1b", "e2-3b", "e3-8b"}
     peak = max(sum(m["committed"] for m in s["members"].values()) for s in ledger)
     assert 0 < peak <= 256 * 2**20
     for engine in shared["engines"]:
