@@ -37,6 +37,24 @@ GIB = 2**30
 DRY_SCALE = 1024
 
 
+class StepCounter:
+    """What each step of a vLLM scheduler scheduled (tokens) and the queues it left (running,
+    waiting): the bench's own instrument, an instance attribute over ``schedule`` (vLLM's class
+    and every other scheduler untouched)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.last: tuple[int | None, int, int] = (None, 0, 0)
+        stock = scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = stock(*args, **kwargs)
+            waiting = len(scheduler.waiting) + len(getattr(scheduler, "skipped_waiting", ()))
+            self.last = (int(out.total_num_scheduled_tokens), len(scheduler.running), waiting)
+            return out
+
+        scheduler.schedule = schedule
+
+
 class VllmDriver:
     """vLLM's engine loop, as the trace loop drives it."""
 
@@ -44,24 +62,16 @@ class VllmDriver:
         self.llm = llm
         self.engine = llm.llm_engine
         self.ours: dict[str, str] = {}  # vLLM's request id -> the trace's
-        self.last: tuple[int | None, int, int] = (None, 0, 0)
-        self.scheduler = None
+        self.counter: StepCounter | None = None
         try:
-            self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         except AttributeError:  # the engine core in another process: no step figures
             return
-        scheduler = self.scheduler
-        stock = scheduler.schedule
+        self.counter = StepCounter(scheduler)
 
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            # The bench's own instrument (an instance attribute, vLLM's class untouched): what
-            # each step scheduled, and the queues it left.
-            out = stock(*args, **kwargs)
-            waiting = len(scheduler.waiting) + len(getattr(scheduler, "skipped_waiting", ()))
-            self.last = (int(out.total_num_scheduled_tokens), len(scheduler.running), waiting)
-            return out
-
-        scheduler.schedule = schedule
+    @property
+    def last(self) -> tuple[int | None, int, int]:
+        return self.counter.last if self.counter is not None else (None, 0, 0)
 
     def params(self, max_tokens: int) -> Any:
         """Greedy, token ids only, each step's new tokens (deltas)."""
@@ -110,8 +120,9 @@ class VllmDriver:
     def step(self) -> list[tuple[str, int, bool]]:
         found = []
         for out in self.engine.step():
-            rid = out.request_id
-            ours = self.ours.get(rid) or self.ours.get(rid.rsplit("-", 1)[0]) or rid
+            # vLLM 0.26 reports the id it was given (the external one); an internal one (with
+            # vLLM's random suffix) is mapped back.
+            ours = self.ours.get(out.request_id, out.request_id)
             got = len(out.outputs[0].token_ids) if out.outputs else 0
             found.append((ours, got, bool(out.finished)))
         return found
