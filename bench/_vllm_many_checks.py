@@ -62,6 +62,9 @@ def engine_summary(result: dict[str, Any], ttft_s: float, tpot_s: float) -> dict
         "mapped_max_gib": peak("mapped_gib"),
         "kv_used_max_gib": peak("kv_used_gib"),
         "start_s": result.get("start_s"),
+        # The trace loop's lateness: how far behind its time a request was handed to the
+        # engine (a loop that falls behind adds it to every TTFT).
+        "late_max_s": max((r["arrived"] - r["at"] for r in requests), default=math.nan),
     }
 
 

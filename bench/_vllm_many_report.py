@@ -113,6 +113,7 @@ def print_variants(case: dict[str, Any], found: dict[str, dict[str, Any]]) -> No
                     fmt(engine["preemptions"], 0),
                     fmt(engine["kv_used_max_gib"], 2),
                     fmt(engine["mapped_max_gib"], 2),
+                    fmt(engine["late_max_s"], 3),
                 ]
             )
     print()
@@ -130,6 +131,7 @@ def print_variants(case: dict[str, Any], found: dict[str, dict[str, Any]]) -> No
             "preemptions",
             "KV in use GiB (max)",
             "mapped GiB (max)",
+            "latest arrival, s behind the trace",
         ],
         rows,
     )

@@ -43,15 +43,32 @@ another member held when it came), each idle spell's release back to the null bl
 the reserve within ``IDLE_BOUND_S`` (1 s), each member's limit turns; a plot per case of each
 engine's mapped KV over time; the issue's goals beside their baselines.
 
-Expected wall time on an H200 (engine start ~10-15 s in parallel, a variant ~60-70 s with its
-trace of ~40 s and its give-ups): memory4 with its 5 variants ~330 s (+45 s on a cold Triton
-cache), memory8 2 variants ~150 s, compute4 2 variants ~120 s. The plan is printed first.
+Expected wall time on an H200 (unmeasured: from the ``two`` mode's starts, 7-10 s an engine,
+and the simulation's step priors): a variant's engines up and warm in 15-25 s in parallel (the
+call's first variant ~45 s more on a cold Triton cache), its trace ~45 s (arrivals end at 32 s;
+the engines stay until the last arrival + 3 s, the static variants' last clients give up 6 s
+after arriving, the last admitted requests end a few seconds later); so memory4 with its 5
+variants ~6 min, memory8 with 2 variants ~2.5 min, compute4 with 2 ~2 min. Each variant is
+started only if ``--budget-s`` leaves it its most (``need_s``: start 25 s + the trace's SLO
+horizon + 10 s, ~110 s); one not started is reported as not run. The plan (``--plan``, no
+engine) prints each case's arithmetic, on paper: at the defaults memory4 static 1/N 115 of 291
+requests within SLO, each engine alone 291 (the bound for shared); memory8 90 of 422 against
+422; compute4's prompts ask 115% of the GPU's prefill time (priors).
 
-Usage (on the GPU machine, vLLM importable)::
+Device calls (after the two calls that copy vLLM's c1 and c2, ../shared/vllm-on-device/
+README.md; carry ``["build/vllm-device/c3"]``; a device command may run 10 minutes, so two;
+``--budget-s`` is what is left of about 9 minutes after the set-up and the build)::
 
-    PYTHONPATH=$HOME/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/bench_vllm_many.py \\
-        --cases memory4 --out $OUT/m4
-    python3 bench/bench_vllm_many.py --cases memory8 compute4 --out $OUT/m8c
+    bash build/vllm-device/c3/setup.sh && CC=/usr/bin/gcc CXX=/usr/bin/g++ pip install -q \
+      --no-build-isolation --no-deps -e . && PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/vsite \
+      VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/bench_vllm_many.py --cases memory4 \
+      --budget-s 450 --out $OUT/m4
+    (the same set-up) python3 bench/bench_vllm_many.py --cases memory8 compute4 \
+      --budget-s 450 --out $OUT/m8c
+
+Elsewhere::
+
+    python3 bench/bench_vllm_many.py --plan                 # the arithmetic, no engine
     python3 bench/bench_vllm_many.py --dry --out /tmp/dry   # no vLLM: simulated engines
     python3 bench/bench_vllm_many.py --report OUT           # tables and plots again
 

@@ -40,7 +40,7 @@ def test_engine_summary_counts_both_slos_and_the_give_ups() -> None:
     result = {
         "requests": {
             "a": record(0.0, 0.5, 1.5),  # TTFT 0.5, TPOT 0.1: within
-            "b": record(0.0, 2.5, 3.5),  # TTFT over 2 s
+            "b": {**record(0.0, 2.5, 3.5), "arrived": 0.25},  # TTFT over 2 s; handed in late
             "c": record(0.0, 0.5, 3.5),  # TPOT 0.3 s
             "d": record(0.0, None, None),  # given up
         },
@@ -53,6 +53,7 @@ def test_engine_summary_counts_both_slos_and_the_give_ups() -> None:
     assert found["within_ttft"] == 2 and found["within_slo"] == 1
     assert found["mapped_max_gib"] == 2.5 and math.isnan(found["kv_used_max_gib"])
     assert found["ttft_p50"] == pytest.approx(0.5) and found["preemptions"] == 3.0
+    assert found["late_max_s"] == 0.25
 
 
 def test_queue_seconds_say_what_held_the_queue() -> None:
