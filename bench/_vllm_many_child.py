@@ -322,7 +322,7 @@ def serve_trace(
     sampler.start()
     before = driver.preemptions()
     events.emit("warm")
-    start_wall = float(wait_file(pathlib.Path(args["trace_go"]), time.monotonic() + 180, "go"))
+    start_wall = float(wait_file(pathlib.Path(args["trace_go"]), time.monotonic() + 300, "go"))
     t0 = time.monotonic() + (start_wall - time.time())
     due = t0 + float(args["max_s"])
     pending = deque(zip(plan, prompts, strict=True))
