@@ -22,6 +22,9 @@ GIB = 2**30
 # GPU work that used the pages, polled every ms): what the check holds the run to.
 IDLE_BOUND_S = 1.0
 IDLE_MIN_S = 1.5  # an idle spell shorter than this is not judged (the next arrival is near)
+# summary.json keeps 4 decimals (bench/_vllm_many_runs.compact): a figure read back may be up to
+# this much over the exact one (0.1 MiB; a page is 2 MiB or more, so no page hides in it).
+ROUNDING_GIB = 1e-4
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -161,7 +164,7 @@ def idle_release(result: dict[str, Any]) -> list[dict[str, float]]:
             (
                 t - begin
                 for t, s in zip(times, samples, strict=True)
-                if begin <= t <= until and s["mapped_gib"] <= floor + 1e-9
+                if begin <= t <= until and s["mapped_gib"] <= floor + ROUNDING_GIB
             ),
             math.nan,
         )

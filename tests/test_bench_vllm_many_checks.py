@@ -110,6 +110,17 @@ def test_idle_release_times_each_idle_spell_down_to_the_null_page_and_reserve() 
     assert found[0]["floor_gib"] == pytest.approx(floor)
 
 
+def test_idle_release_reads_the_floor_through_the_summarys_rounding() -> None:
+    # summary.json keeps 4 decimals: 48 MiB (3 pages of 16 MiB) is 0.046875 GiB, read back as
+    # 0.0469. That is at the floor, not over it.
+    engine = kvasync_engine(
+        [(0.0, 1.0), (2.1, 0.0469), (5.0, 0.0469)], {"a": record(0.0, 0.1, 2.0)}
+    )
+    engine["kv_geometry"] = {"page_bytes": 16 * 2**20, "reserve_pages": [1, 2]}
+    (spell,) = checks.idle_release(engine)
+    assert spell["release_s"] == pytest.approx(0.1)
+
+
 def test_idle_release_judges_no_short_spell_and_no_stock_engine() -> None:
     engine = kvasync_engine(
         [(0.0, 3.0), (3.0, 3.0)], {"a": record(0.0, 0.1, 1.0), "b": record(2.0, 2.1, 3.0)}
@@ -194,11 +205,22 @@ def test_goal_rows_judge_each_goal_beside_its_baseline() -> None:
     found = {
         "memory4": {
             "stock-1N": summary(100),
-            "shared": summary(250, 10.0, 1.0, [{"within": True}, {"within": True}]),
+            "shared": summary(
+                250,
+                10.0,
+                1.0,
+                [
+                    {"within": True, "others_max_share": 0.7},
+                    {"within": True, "others_max_share": 0.5},
+                ],
+            ),
             "hindsight-1": summary(240),
             "hindsight-2": summary(262),
         },
-        "memory8": {"stock-1N": summary(100), "shared": summary(199, cold=[{"within": False}])},
+        "memory8": {
+            "stock-1N": summary(100),
+            "shared": summary(199, cold=[{"within": False, "others_max_share": 0.9}]),
+        },
         "compute4": {
             "stock-1N": summary(300, 0.0, 80.0),
             "shared": summary(292, 0.0, 90.0),
@@ -218,7 +240,11 @@ def test_goal_rows_judge_each_goal_beside_its_baseline() -> None:
     # The best hindsight run is the baseline; 250 / 262 is within 5%.
     assert rows[2][1:4] == ["250", "262 (hindsight-2)", "0.95"]
     assert rows[3][3] == "0.973"
-    assert rows[4][1:3] == ["2", "3 cold starts"]
+    # Over half the budget held by another engine: 0.7 and 0.9, not 0.5.
+    assert rows[4][1:3] == [
+        "2",
+        "3 cold starts (2 while another engine held over half the budget)",
+    ]
 
 
 def test_a_goal_whose_regime_check_fails_says_so() -> None:
