@@ -5,6 +5,7 @@ planned from the runs before them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
@@ -27,6 +28,8 @@ from _vllm_procs import (
     kill_all,
     write_atomically,
 )
+
+from kvasync import share as shares
 
 HERE = pathlib.Path(__file__).resolve().parent / "bench_vllm_many.py"
 # Engines stay this long past the last arrival of all (an idle one is watched giving back).
@@ -220,6 +223,11 @@ class CaseRun:
             record["gpu_busy"] = gpu.finish()
             if watch:
                 record["ledger"] = watch.finish()
+            if share:
+                record["share"] = share
+                # Its engines are gone (killed after their results): their ledger file too.
+                with contextlib.suppress(Exception):
+                    shares.prune(share, timeout=2.0)
         record["wall_s"] = time.monotonic() - t
         return record
 

@@ -111,6 +111,10 @@ def test_the_shared_run_keeps_the_ledger_within_the_budget(
     for engine in shared["engines"]:
         assert engine["kv_geometry"]["reserve_pages"] == [1, 2]
     assert "ledger" not in case["variants"]["stock-1N"]
+    # The share's ledger file went with its engines.
+    from kvasync import share as shares
+
+    assert shared["share"] not in shares.shares()
 
 
 @pytest.mark.timeout(120)
