@@ -296,6 +296,7 @@ def build_engine(spec: dict[str, Any]) -> tuple[Any, float]:
         kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_bytes"])
     if spec.get("max_num_seqs"):
         kwargs["max_num_seqs"] = int(spec["max_num_seqs"])
+    kwargs.update(spec.get("engine_kwargs", {}))  # any other LLM argument a bench sets
     started = time.monotonic()
     llm = LLM(**kwargs)
     return llm, time.monotonic() - started
