@@ -426,3 +426,19 @@ def test_pressure_evicts_unused_prefixes_on_draining_pages(pool: Any) -> None:
     assert ours.num_evicted_for_pressure > 0
     assert all(block < drain for block in ours._held)  # nothing held on a draining page
     assert kv.stats().mapped_pages == 1
+
+
+@needs_sglang
+def test_a_refused_free_keeps_the_pages_held_so_clear_still_gives_them_back(pool: Any) -> None:
+    """A free kvasync refuses (a page already freed beside one still held) changes nothing,
+    in kvasync and in the allocator's own record: a later clear() returns the held page."""
+    ours = plugin_allocator(pool)
+    kv = pool._kvasync.allocator
+    first, second = ours.alloc(PAGE), ours.alloc(PAGE)
+    ours.free(first)
+    with pytest.raises(ValueError, match="not allocated"):
+        ours.free(torch.cat([second, first]))  # first's page is freed twice
+    assert kv.stats().used_blocks == 1 + 1  # second's page is still SGLang's
+    ours.clear()
+    assert kv.stats().used_blocks == 1
+    assert ours.available_size() == POOL_TOKENS
