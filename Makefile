@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 TORCH := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test install lint typecheck bench soak clean sanitize vllm-test vllm-matrix
+.PHONY: demo test install lint typecheck bench soak clean sanitize vllm-test vllm-matrix sglang-test
 
 $(VENV)/.deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,24 @@ vllm-matrix: install
 
 vllm-test: install
 	$(VLLM_MATRIX) --versions "$(VLLM_VERSION)" $(VLLM_MATRIX_ARGS)
+
+# Not in CI (the venv takes GBs; cached under SGLANG_CACHE). sglang-test: SGLang's own unit tests
+# of its token-to-KV allocators (paged) and radix cache on the CPU, with kvasync's SGLang plugin
+# in place and on stock, after the plugin's own tests (tests/test_sglang_plugin.py), in a venv
+# made as tests/sglang_suite.py says. Prints both pytest summaries and one table, writes
+# docs/sglang/suite-results.md (+ .json), and fails on a suite that did not run, was skipped
+# wholesale, a plugin test failure, or a difference from stock not in
+# docs/sglang/known-differences.toml. SGLang's tests are not in its wheel (and 0.5.17 has no
+# sdist): SGLANG_TESTS is a folder of them laid out as SGLang's repository, checked against
+# tests/sglang_suite_support/sglang-$(SGLANG_VERSION)-tests.toml.
+SGLANG_VERSION ?= 0.5.17
+SGLANG_CACHE ?= $(HOME)/.cache/kvasync/sglang
+SGLANG_TESTS ?= $(SGLANG_CACHE)/$(SGLANG_VERSION)/tests
+SGLANG_ARGS ?=
+sglang-test: install
+	$(PY) tests/sglang_suite.py --version "$(SGLANG_VERSION)" --python $(PYTHON) \
+		--torch "$(VLLM_TORCH)" --cache-dir "$(SGLANG_CACHE)" --sglang-tests "$(SGLANG_TESTS)" \
+		$(SGLANG_ARGS)
 
 clean:
 	rm -rf build $(VENV)

@@ -253,10 +253,12 @@ def _build_class() -> type:
             pages = [page for page in ids if page]  # never page 0: the padded page stays
             if not pages:
                 return
-            self._held.difference_update(pages)
             # A closed allocator: the engine is closing, and its pages are gone already.
             with contextlib.suppress(AllocatorClosed):
                 self._kv.free(pages, after=self._stream or self._engine.fence_now())
+            # Only once kvasync took them: a free it refuses (a page freed twice) frees nothing,
+            # and the pages it held stay SGLang's, for clear() to give back.
+            self._held.difference_update(pages)
 
         def clear(self) -> None:
             held = sorted(self._held)

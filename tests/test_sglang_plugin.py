@@ -1,0 +1,444 @@
+"""kvasync's SGLang plugin against SGLang's own code, on the CPU: the settings and the version
+refusal, the seam check, SGLang's ``MHATokenToKVPool`` with its buffers over a kvasync range
+(host backend), and ``KvasyncPagedAllocator`` beside SGLang's ``PagedTokenToKVPoolAllocator`` on
+one workload, with a real ``RadixCache`` for the prefix bound and pressure.
+
+The tests that need SGLang skip where it is not importable (CI), saying so; ``make sglang-test``
+runs them in a venv with SGLang 0.5.17 (tests/sglang_suite.py). SGLang's allocator kernels are
+Triton kernels: they run here under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
+
+NOTE: SGLang's ``HookRegistry`` patches the process: once the plugin's hooks are applied
+(``hooks``, module scope), every ``MHATokenToKVPool`` built here is kvasync's. The stock pools
+the comparisons need are built first (``stock_pools``, which ``hooks`` depends on).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import wait_until_sync
+
+from kvasync.integrations import sglang as plugin
+from kvasync.integrations.sglang import _seams
+from kvasync.integrations.sglang._seams import Seam, UnsupportedSGLang
+
+try:
+    with warnings.catch_warnings():
+        # SGLang's import warns on a CPU machine (no AWQ/GGUF kernels, torch.jit deprecations).
+        warnings.simplefilter("ignore")
+        import sglang.srt.mem_cache.allocator.paged as sglang_paged
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+    SGLANG_ERROR = ""
+except Exception as error:  # any import failure means: no SGLang here
+    SGLANG_ERROR = f"SGLang is not importable here ({type(error).__name__}: {error})"
+
+needs_sglang = pytest.mark.skipif(bool(SGLANG_ERROR), reason=SGLANG_ERROR or "SGLang present")
+PAGE = 16  # SGLang's page size in these tests (tokens a page)
+# A pool whose K/V pages are 32 KiB a layer, so the host backend's 2 MiB pages hold 64 of them
+# and the range spans several kvasync pages: the "only page 0 is mapped" claim means something.
+POOL = {"head_num": 8, "head_dim": 128, "layer_num": 3, "dtype": torch.bfloat16}
+POOL_TOKENS = PAGE * 256
+_STEADY = dict(os.environ)
+
+# -- settings and the version, no SGLang needed ------------------------------------------------
+
+
+def test_an_untested_release_is_refused_naming_it_and_the_tested_ones() -> None:
+    with pytest.raises(UnsupportedSGLang) as refused:
+        plugin.check_version("0.5.16", any_version=False)
+    assert "0.5.16" in str(refused.value)
+    assert "0.5.17" in str(refused.value)
+    assert plugin.ANY_VERSION in str(refused.value)
+
+
+def test_any_version_lets_an_untested_release_through_to_the_seam_check() -> None:
+    plugin.check_version("0.5.16", any_version=True)  # no refusal: the seams decide
+
+
+def test_a_tested_release_is_not_refused() -> None:
+    for release in plugin.TESTED:
+        plugin.check_version(release, any_version=False)
+
+
+# -- the seams against SGLang 0.5.17 -----------------------------------------------------------
+
+
+def changed_alloc_decode(self: object, seq_lens: object, last_loc: object) -> None:
+    """A real function shaped as a later SGLang might have ``alloc_decode``: no CPU lengths."""
+
+
+@needs_sglang
+def test_every_seam_matches_the_installed_sglang() -> None:
+    assert _seams.installed_version() in plugin.TESTED
+    _seams.check_all()
+
+
+@needs_sglang
+def test_a_seam_whose_signature_differs_is_refused_naming_it_and_both_signatures() -> None:
+    wanted = next(s for s in _seams.SEAMS if s.target.endswith(".alloc_decode"))
+    changed = Seam(f"{__name__}.changed_alloc_decode", wanted.parameters, wanted.why)
+    with pytest.raises(UnsupportedSGLang) as refused:
+        _seams.check_seam(changed)
+    message = str(refused.value)
+    assert f"{__name__}.changed_alloc_decode" in message
+    assert "('self', 'seq_lens', 'last_loc')" in message  # what is there
+    assert str(wanted.parameters) in message  # what the plugin needs
+    assert wanted.why in message
+
+
+@needs_sglang
+def test_a_missing_seam_is_refused_naming_it() -> None:
+    missing = Seam(
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_later",
+        ("self",),
+        "a method no SGLang has",
+    )
+    with pytest.raises(UnsupportedSGLang, match=r"alloc_later .*is missing in this SGLang"):
+        _seams.check_seam(missing)
+
+
+@needs_sglang
+def test_register_is_inert_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVASYNC_"):
+            monkeypatch.delenv(name)
+    before = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    plugin.register()
+    after = {target: list(hooks) for target, hooks in HookRegistry._hooks.items() if hooks}
+    assert after == {t: h for t, h in before.items() if h}
+
+
+@needs_sglang
+def test_register_without_a_size_refuses_at_server_args_naming_the_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVASYNC_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVASYNC_SGLANG", "1")
+    target = "sglang.srt.server_args.ServerArgs.__post_init__"
+    before = list(HookRegistry._hooks.get(target, []))
+    plugin.register()
+    added = HookRegistry._hooks[target][len(before) :]
+    try:
+        # One hook, and only there: nothing else of SGLang is hooked by a refused plugin.
+        assert len(added) == 1
+        with pytest.raises(UnsupportedSGLang, match="KVASYNC_MEMORY_LIMIT"):
+            added[0][1](object())
+    finally:
+        HookRegistry._hooks[target] = before  # the registry is process-wide
+
+
+# -- the pool and the allocator ----------------------------------------------------------------
+
+
+def make_pool() -> Any:
+    return MHATokenToKVPool(
+        size=POOL_TOKENS,
+        page_size=PAGE,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+        **POOL,
+    )
+
+
+@pytest.fixture(scope="module")
+def stock_pools() -> list[Any]:
+    """SGLang's own pools, built before the plugin's hooks are applied (module NOTE)."""
+    if SGLANG_ERROR:
+        pytest.skip(SGLANG_ERROR)
+    return [make_pool(), make_pool()]
+
+
+@pytest.fixture(scope="module")
+def hooks(stock_pools: list[Any]) -> Iterator[None]:
+    """The plugin registered and applied as SGLang's engine does it, with a memory limit."""
+    saved = dict(os.environ)
+    os.environ.update(KVASYNC_SGLANG="1", KVASYNC_MEMORY_LIMIT="1GiB")
+    try:
+        plugin.register()
+        HookRegistry.apply_hooks()
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def pool(hooks: None) -> Iterator[Any]:
+    built = make_pool()
+    yield built
+    built._clear_buffers()  # closes the kvasync allocator behind it (the plugin's hook)
+
+
+@needs_sglang
+def test_the_pool_buffers_are_views_over_the_kvasync_range_shaped_as_stock(
+    pool: Any, stock_pools: list[Any]
+) -> None:
+    stock = stock_pools[0]
+    kv = pool._kvasync.allocator
+    assert len(pool.k_buffer) == len(stock.k_buffer) == POOL["layer_num"]
+    for index in range(POOL["layer_num"]):
+        k_range, v_range = kv.layer(index)
+        for ours, theirs, base in (
+            (pool.k_buffer[index], stock.k_buffer[index], k_range),
+            (pool.v_buffer[index], stock.v_buffer[index], v_range),
+        ):
+            assert (ours.shape, ours.stride(), ours.dtype) == (
+                theirs.shape,
+                theirs.stride(),
+                theirs.dtype,
+            )
+            assert ours.data_ptr() == base.data_ptr()
+            assert ours.untyped_storage().nbytes() == base.untyped_storage().nbytes()
+            assert pool.get_key_buffer(index).data_ptr() == pool.k_buffer[index].data_ptr()
+
+
+@needs_sglang
+def test_only_block_0_is_taken_at_open_and_page_0_starts_zeroed(pool: Any) -> None:
+    """Block 0 (SGLang's padded page) is held for the pool's life; every other mapped page is
+    the reserve the mapper keeps ahead of the scheduler (mapped, free), never more than its
+    high watermark: no SGLang page is taken until SGLang allocates."""
+    kv = pool._kvasync.allocator
+    assert kv.num_blocks == POOL_TOKENS // PAGE + 1
+    assert kv.num_blocks > 2 * (kv.page_size // kv.layout.block_bytes)  # several kvasync pages
+
+    def idle() -> bool:
+        stats = kv.stats()
+        return stats.mapping_pages == 0 and stats.queued_jobs == 0
+
+    wait_until_sync(idle, "the mapper to finish the reserve")
+    stats = kv.stats()
+    assert stats.used_blocks == 1
+    assert stats.mapped_pages == 1 + stats.reserve_pages
+    assert stats.reserve_pages <= kv.config.reserve_pages[1]
+    padded = pool.k_buffer[0][:PAGE]
+    assert torch.count_nonzero(padded) == 0
+
+
+@needs_sglang
+def test_sglang_writes_through_the_pool_land_in_kvasync_blocks(pool: Any) -> None:
+    allocator = plugin_allocator(pool)
+    slots = allocator.alloc(2 * PAGE)
+    heads, dim = POOL["head_num"], POOL["head_dim"]
+    k = torch.randn(2 * PAGE, heads, dim).to(POOL["dtype"])
+    v = torch.randn(2 * PAGE, heads, dim).to(POOL["dtype"])
+    layer = SimpleLayer(layer_id=1)
+    pool.set_kv_buffer(layer, slots, k, v)
+    rows = pool._kvasync.allocator.layer(1)[0].view(POOL["dtype"]).view(-1, heads, dim)
+    torch.testing.assert_close(rows[slots], k)  # kvasync's own view of layer 1's K range
+    allocator.free(slots)
+
+
+class SimpleLayer:
+    """What MHATokenToKVPool.set_kv_buffer reads of SGLang's RadixAttention layer."""
+
+    def __init__(self, layer_id: int) -> None:
+        self.layer_id = layer_id
+        self.k_scale = None
+        self.v_scale = None
+
+
+def plugin_allocator(pool: Any) -> Any:
+    """kvasync's allocator over ``pool``, built as the plugin's configurator hook builds it."""
+    from kvasync.integrations.sglang._allocator import allocator_class
+
+    return allocator_class()(POOL_TOKENS, PAGE, POOL["dtype"], "cpu", pool, False)
+
+
+def stock_allocator(pool: Any) -> Any:
+    return sglang_paged.PagedTokenToKVPoolAllocator(
+        POOL_TOKENS, PAGE, POOL["dtype"], "cpu", pool, False
+    )
+
+
+def held_pages(out: torch.Tensor) -> set[int]:
+    return {int(slot) // PAGE for slot in out.tolist()}
+
+
+@needs_sglang
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_allocator_matches_stock_on_one_random_workload(
+    pool: Any, stock_pools: list[Any], seed: int
+) -> None:
+    """alloc / alloc_extend / alloc_decode / free / clear on both, step by step: the same
+    counts, the same None, never a page handed out twice, freed pages back in kvasync, and an
+    available_size() that is what an alloc can take."""
+    ours, stock = plugin_allocator(pool), stock_allocator(stock_pools[1])
+    kv = pool._kvasync.allocator
+    rng = random.Random(seed)
+    requests: list[tuple[list[torch.Tensor], list[torch.Tensor], int]] = []  # ours, stock, len
+    for step in range(40):
+        assert ours.available_size() == stock.available_size(), step
+        # kvasync holds block 0 and every page SGLang holds; nothing else.
+        held = set().union(*(held_pages(t) for r in requests for t in r[0])) if requests else set()
+        assert kv.stats().used_blocks == 1 + len(held), step
+        action = rng.choice(
+            ["extend", "decode", "alloc", "free", "free"] if requests else ["extend"]
+        )
+        if action == "extend":
+            batch = rng.randint(1, 3)
+            lens = [rng.randint(1, 3 * PAGE) for _ in range(batch)]
+            prefix = torch.zeros(batch, dtype=torch.int64)
+            seq = torch.tensor(lens, dtype=torch.int64)
+            last = torch.full((batch,), -1, dtype=torch.int64)
+            a = ours.alloc_extend(prefix, prefix, seq, seq, last, sum(lens))
+            b = stock.alloc_extend(prefix, prefix, seq, seq, last, sum(lens))
+            assert (a is None) == (b is None), step
+            if a is None:
+                continue
+            assert len(a) == len(b) == sum(lens)
+            assert not held_pages(a) & held, "a page SGLang holds was handed out again"
+            start = 0
+            for n in lens:
+                requests.append(([a[start : start + n]], [b[start : start + n]], n))
+                start += n
+        elif action == "decode":
+            picked = rng.sample(range(len(requests)), rng.randint(1, len(requests)))
+            seq = torch.tensor([requests[i][2] + 1 for i in picked], dtype=torch.int64)
+            last_ours = torch.stack([requests[i][0][-1][-1] for i in picked])
+            last_stock = torch.stack([requests[i][1][-1][-1] for i in picked])
+            a = ours.alloc_decode(seq, seq, last_ours)
+            b = stock.alloc_decode(seq, seq, last_stock)
+            assert (a is None) == (b is None), step
+            if a is None:
+                continue
+            assert len(a) == len(b) == len(picked)
+            new_pages = {int(x) // PAGE for x, i in zip(a.tolist(), picked, strict=True)}
+            new_pages -= {int(requests[i][0][-1][-1]) // PAGE for i in picked}
+            assert not new_pages & held, "a page SGLang holds was handed out again"
+            for j, i in enumerate(picked):
+                ours_t, stock_t, n = requests[i]
+                requests[i] = ([*ours_t, a[j : j + 1]], [*stock_t, b[j : j + 1]], n + 1)
+        elif action == "alloc":
+            n = PAGE * rng.randint(1, 4)
+            a, b = ours.alloc(n), stock.alloc(n)
+            assert (a is None) == (b is None), step
+            if a is not None:
+                assert not held_pages(a) & held
+                requests.append(([a], [b], n))
+        else:
+            ours_t, stock_t, _ = requests.pop(rng.randrange(len(requests)))
+            ours.free(torch.cat(ours_t))
+            stock.free(torch.cat(stock_t))
+    ours.clear()
+    stock.clear()
+    assert ours.available_size() == stock.available_size() == POOL_TOKENS
+    assert kv.stats().used_blocks == 1
+
+
+@needs_sglang
+def test_an_alloc_past_the_pool_is_none_as_on_stock_and_takes_nothing(
+    pool: Any, stock_pools: list[Any]
+) -> None:
+    ours, stock = plugin_allocator(pool), stock_allocator(stock_pools[1])
+    too_many = POOL_TOKENS + PAGE
+    assert ours.alloc(too_many) is None
+    assert stock.alloc(too_many) is None
+    assert ours.available_size() == stock.available_size() == POOL_TOKENS
+    assert pool._kvasync.allocator.stats().used_blocks == 1
+
+
+@needs_sglang
+def test_freed_pages_go_back_to_kvasync_and_unmap_when_trimmed(pool: Any) -> None:
+    ours = plugin_allocator(pool)
+    kv = pool._kvasync.allocator
+    per_page = kv.page_size // kv.layout.block_bytes
+    slots = ours.alloc(PAGE * 3 * per_page)  # three kvasync pages' worth of SGLang pages
+    assert kv.stats().mapped_pages >= 3
+    ours.free(slots)
+    assert kv.stats().used_blocks == 1
+    mapped = ours.release_memory(timeout=10.0)
+    assert kv.stats().mapped_pages == 1  # page 0 stays
+    assert mapped == kv.stats().mapped_bytes
+
+
+# -- the radix cache: the prefix bound and pressure -------------------------------------------
+
+
+def cache_over(allocator: Any) -> Any:
+    return RadixCache.create_simulated(mock_allocator=allocator, page_size=PAGE)
+
+
+def cache_pages(cache: Any, allocator: Any, requests: int, pages: int) -> list[torch.Tensor]:
+    """``requests`` finished requests of ``pages`` SGLang pages each, cached in ``cache`` (their
+    pages then belong to the cache, unused and evictable), distinct prefixes."""
+    out = []
+    for r in range(requests):
+        slots = allocator.alloc(PAGE * pages)
+        tokens = [r * 100_000 + t for t in range(PAGE * pages)]
+        cache.insert(InsertParams(key=RadixKey(tokens), value=slots))
+        out.append(slots)
+    return out
+
+
+@needs_sglang
+def test_the_prefix_cache_bound_evicts_unused_prefixes_back_to_kvasync(
+    monkeypatch: pytest.MonkeyPatch, hooks: None
+) -> None:
+    from kvasync.integrations.sglang._allocator import allocator_class
+
+    # An allocator over no kvasync pool keeps its pages in a bookkeeping allocator of its own,
+    # whose settings are read now: a bound of 2 SGLang pages' tokens.
+    monkeypatch.setenv("KVASYNC_SGLANG_HOST_POOL", "1")
+    probe = allocator_class()(PAGE * 16, PAGE, torch.bfloat16, "cpu", None, False)
+    token_bytes = probe._token_bytes()
+    probe._engine.close()
+    monkeypatch.setenv("KVASYNC_PREFIX_CACHE", str(2 * PAGE * token_bytes))
+    allocator = allocator_class()(PAGE * 16, PAGE, torch.bfloat16, "cpu", None, False)
+    try:
+        kv = allocator._kv
+        cache = cache_over(allocator)
+        cache_pages(cache, allocator, requests=3, pages=2)
+        assert (cache.evictable_size(), kv.stats().used_blocks) == (6 * PAGE, 1 + 6)
+        allocator.maintain(cache, [])
+        assert cache.evictable_size() == 2 * PAGE
+        assert kv.stats().used_blocks == 1 + 2  # the evicted prefixes' pages came back
+        assert allocator.available_size() == (16 - 2) * PAGE
+    finally:
+        allocator._engine.close()
+
+
+@needs_sglang
+def test_pressure_evicts_unused_prefixes_on_draining_pages(pool: Any) -> None:
+    ours = plugin_allocator(pool)
+    kv = pool._kvasync.allocator
+    per_page = kv.page_size // kv.layout.block_bytes
+    cache = cache_over(ours)
+    # Two kvasync pages of cached prefixes (one request a kvasync page's worth of SGLang pages).
+    cache_pages(cache, ours, requests=2, pages=per_page)
+    assert kv.stats().mapped_pages >= 2
+    kv.resize(memory_limit=kv.stats().page_bytes, timeout=10.0)  # room for page 0 only
+    drain = kv.drain_from()
+    assert drain is not None
+    ours.maintain(cache, [])
+    assert ours.num_evicted_for_pressure > 0
+    assert all(block < drain for block in ours._held)  # nothing held on a draining page
+    assert kv.stats().mapped_pages == 1
+
+
+@needs_sglang
+def test_a_refused_free_keeps_the_pages_held_so_clear_still_gives_them_back(pool: Any) -> None:
+    """A free kvasync refuses (a page already freed beside one still held) changes nothing,
+    in kvasync and in the allocator's own record: a later clear() returns the held page."""
+    ours = plugin_allocator(pool)
+    kv = pool._kvasync.allocator
+    first, second = ours.alloc(PAGE), ours.alloc(PAGE)
+    ours.free(first)
+    with pytest.raises(ValueError, match="not allocated"):
+        ours.free(torch.cat([second, first]))  # first's page is freed twice
+    assert kv.stats().used_blocks == 1 + 1  # second's page is still SGLang's
+    ours.clear()
+    assert kv.stats().used_blocks == 1
+    assert ours.available_size() == POOL_TOKENS
