@@ -15,8 +15,9 @@ ver=${1:-0.5.17}
 # The pins are sglang's own (Requires-Dist) where the image's version differs; tokenizers 0.22.2
 # because transformers 5.12.1 checks tokenizers<=0.23.0 at import and the image has 0.23.2.
 case $ver in
-  0.5.17) kernel=0.4.5 fi=0.6.15.post1 out=build/sglang-device ;;
-  0.5.15.post1) kernel=0.4.4 fi=0.6.12 out=build/sglang-device-0.5.15.post1 ;;
+  0.5.17) kernel=0.4.5 fi=0.6.15.post1 out=build/sglang-device extra=() ;;
+  # flashinfer 0.6.12's flashinfer.comm imports cuda.tile at module level (0.6.15's does not).
+  0.5.15.post1) kernel=0.4.4 fi=0.6.12 out=build/sglang-device-0.5.15.post1 extra=(cuda-tile==1.7.0) ;;
   *) echo "pack.sh: SGLang $ver is not one this script knows (0.5.17, 0.5.15.post1): its pins need checking first" >&2; exit 2 ;;
 esac
 w=build/sglang-device/wheels
@@ -39,7 +40,8 @@ pkgs=(sglang==$ver flashinfer-python==$fi torch_memory_saver==0.0.10 transformer
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 fastapi==0.165.0
   starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.55.0 python-multipart==0.0.34 msgspec==0.23.0
   pyzmq==27.3.0 orjson==3.13.0 pybase64==1.5.1 setproctitle==1.3.8 partial-json-parser==0.2.1.1.post7
-  dill==0.4.1 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0 ipython==9.18.1 traitlets==5.16.1)
+  dill==0.4.1 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0 ipython==9.18.1 traitlets==5.16.1
+  ${extra[@]+"${extra[@]}"})
 dl -d "$w" "${pkgs[@]}"
 dl -d "$scratch" sglang-kernel==$kernel
 site=$scratch/site; mkdir "$site"
@@ -72,7 +74,7 @@ done
 # try) and sm100/common_ops (what sgl_kernel loads on any GPU that is not compute capability 9.0,
 # and with no GPU at all: on the H200 it loads sm90/common_ops).
 unzip -q -o "$scratch"/sglang_kernel-$kernel-*.whl -d "$site" -x 'sgl_kernel/flash_ops.abi3.so' \
-  'sgl_kernel/infllm_ops*' 'sgl_kernel/flashmla_ops*' 'sgl_kernel/sm100/*'
+  'sgl_kernel/infllm_ops*' 'sgl_kernel/flashmla_ops*' 'sgl_kernel/sm100/*' 2>&1 | { grep -v 'excluded filename not matched' || true; }
 rm -f "$scratch"/sglang_kernel-*.whl
 { echo "SGLang $ver for the H200 image, packed $(date -u +%FT%TZ) by bench/engines/sglang/pack.sh from:"
   for f in "${wheels[@]}"; do basename "$f"; done; echo "sglang_kernel-$kernel (less flash_ops, infllm_ops, flashmla_ops, sm100)"
