@@ -9,7 +9,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 S=${SSITE:-$HOME/ssite}; stage=${SST:-$HOME/sst}
 mkdir -p "$stage"
 cp "$here"/sgl-*.part.* "$stage"/
-parts=$(awk '{print $2}' "$here/SHA256SUMS")
+parts=$(awk '{printf "%s ", $2}' "$here/SHA256SUMS")
 (cd "$stage" && sha256sum -c --quiet "$here/SHA256SUMS") || {
   echo "setup.sh: a part in $stage is missing or damaged (listed: $parts); make the earlier calls again" >&2; exit 1; }
 rm -rf "$S"; mkdir -p "$S"
