@@ -26,6 +26,7 @@ from conftest import wait_until_sync
 
 from kvasync.integrations import sglang as plugin
 from kvasync.integrations.sglang import _seams
+from kvasync.integrations.sglang._kv import engine_of
 from kvasync.integrations.sglang._seams import Seam, UnsupportedSGLang
 
 try:
@@ -187,7 +188,7 @@ def test_the_pool_buffers_are_views_over_the_kvasync_range_shaped_as_stock(
     pool: Any, stock_pools: list[Any]
 ) -> None:
     stock = stock_pools[0]
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     assert len(pool.k_buffer) == len(stock.k_buffer) == POOL["layer_num"]
     for index in range(POOL["layer_num"]):
         k_range, v_range = kv.layer(index)
@@ -210,7 +211,7 @@ def test_only_block_0_is_taken_at_open_and_page_0_starts_zeroed(pool: Any) -> No
     """Block 0 (SGLang's padded page) is held for the pool's life; every other mapped page is
     the reserve the mapper keeps ahead of the scheduler (mapped, free), never more than its
     high watermark: no SGLang page is taken until SGLang allocates."""
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     assert kv.num_blocks == POOL_TOKENS // PAGE + 1
     assert kv.num_blocks > 2 * (kv.page_size // kv.layout.block_bytes)  # several kvasync pages
 
@@ -236,7 +237,7 @@ def test_sglang_writes_through_the_pool_land_in_kvasync_blocks(pool: Any) -> Non
     v = torch.randn(2 * PAGE, heads, dim).to(POOL["dtype"])
     layer = SimpleLayer(layer_id=1)
     pool.set_kv_buffer(layer, slots, k, v)
-    rows = pool._kvasync.allocator.layer(1)[0].view(POOL["dtype"]).view(-1, heads, dim)
+    rows = engine_of(pool).allocator.layer(1)[0].view(POOL["dtype"]).view(-1, heads, dim)
     torch.testing.assert_close(rows[slots], k)  # kvasync's own view of layer 1's K range
     allocator.free(slots)
 
@@ -276,7 +277,7 @@ def test_the_allocator_matches_stock_on_one_random_workload(
     counts, the same None, never a page handed out twice, freed pages back in kvasync, and an
     available_size() that is what an alloc can take."""
     ours, stock = plugin_allocator(pool), stock_allocator(stock_pools[1])
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     rng = random.Random(seed)
     requests: list[tuple[list[torch.Tensor], list[torch.Tensor], int]] = []  # ours, stock, len
     for step in range(40):
@@ -347,13 +348,13 @@ def test_an_alloc_past_the_pool_is_none_as_on_stock_and_takes_nothing(
     assert ours.alloc(too_many) is None
     assert stock.alloc(too_many) is None
     assert ours.available_size() == stock.available_size() == POOL_TOKENS
-    assert pool._kvasync.allocator.stats().used_blocks == 1
+    assert engine_of(pool).allocator.stats().used_blocks == 1
 
 
 @needs_sglang
 def test_freed_pages_go_back_to_kvasync_and_unmap_when_trimmed(pool: Any) -> None:
     ours = plugin_allocator(pool)
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     per_page = kv.page_size // kv.layout.block_bytes
     slots = ours.alloc(PAGE * 3 * per_page)  # three kvasync pages' worth of SGLang pages
     assert kv.stats().mapped_pages >= 3
@@ -413,7 +414,7 @@ def test_the_prefix_cache_bound_evicts_unused_prefixes_back_to_kvasync(
 @needs_sglang
 def test_pressure_evicts_unused_prefixes_on_draining_pages(pool: Any) -> None:
     ours = plugin_allocator(pool)
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     per_page = kv.page_size // kv.layout.block_bytes
     cache = cache_over(ours)
     # Two kvasync pages of cached prefixes (one request a kvasync page's worth of SGLang pages).
@@ -433,7 +434,7 @@ def test_a_refused_free_keeps_the_pages_held_so_clear_still_gives_them_back(pool
     """A free kvasync refuses (a page already freed beside one still held) changes nothing,
     in kvasync and in the allocator's own record: a later clear() returns the held page."""
     ours = plugin_allocator(pool)
-    kv = pool._kvasync.allocator
+    kv = engine_of(pool).allocator
     first, second = ours.alloc(PAGE), ours.alloc(PAGE)
     ours.free(first)
     with pytest.raises(ValueError, match="not allocated"):

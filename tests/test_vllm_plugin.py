@@ -19,9 +19,9 @@ import torch
 
 from kvasync import Config, KVLayout, OutOfBlocks, _core, open_allocator_sync
 from kvasync.integrations import vllm as plugin
+from kvasync.integrations._settings import read_settings
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
 from kvasync.integrations.vllm._pool import Demand, counting_demand, make_block_pool_class
-from kvasync.integrations._settings import read_settings
 
 try:
     with warnings.catch_warnings():

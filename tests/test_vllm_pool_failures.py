@@ -26,9 +26,9 @@ import torch
 
 from kvasync import AllocatorClosed, Config, KVLayout, MapError, open_allocator_sync
 from kvasync.integrations import vllm as plugin
+from kvasync.integrations._settings import read_settings
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
 from kvasync.integrations.vllm._pool import counting_demand, make_block_pool_class
-from kvasync.integrations._settings import read_settings
 
 try:
     # vLLM's scheduler module imports its kernels' modules, which call torch APIs this torch

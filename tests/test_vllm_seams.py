@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from kvasync.integrations import vllm as plugin
+from kvasync.integrations._settings import read_settings
 from kvasync.integrations.vllm import _seams
 from kvasync.integrations.vllm._engine import register_engine, take_engine
-from kvasync.integrations._settings import read_settings
 
 try:
     with warnings.catch_warnings():

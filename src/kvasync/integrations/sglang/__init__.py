@@ -122,26 +122,29 @@ def _install(settings: PluginSettings) -> None:
         return capacity_bytes(settings, configurator)
 
     def create_buffers(original: Any, pool: Any) -> None:
-        from ._kv import open_kv_buffers
+        from ._kv import attach, open_kv_buffers
 
         if getattr(pool, "enable_custom_mem_pool", False):
             original(pool)  # PD's NVLink pool: refused when the allocator is built
             return
-        pool._kvasync = open_kv_buffers(pool, settings)
+        attach(pool, open_kv_buffers(pool, settings))
 
     def clear_buffers(result: Any, pool: Any) -> None:
-        engine = pool.__dict__.pop("_kvasync", None)
+        from ._kv import detach
+
+        engine = detach(pool)
         if engine is not None:
             engine.close()
 
     def build_allocator(original: Any, configurator: Any, **kwargs: Any) -> Any:
         from ._allocator import allocator_class
+        from ._kv import engine_of
 
         pool = kwargs["token_to_kv_pool"]
         if kwargs.get("token_to_kv_pool_allocator") is not None:
             return original(configurator, **kwargs)  # a draft model shares the target's
         stock = original(configurator, **kwargs)
-        if getattr(pool, "_kvasync", None) is None:
+        if engine_of(pool) is None:
             raise UnsupportedSGLang(
                 f"kvasync's SGLang plugin lays out SGLang's MHA KV pool, not "
                 f"{type(pool).__name__} (MLA, hybrid and quantized pools, and post-capture "

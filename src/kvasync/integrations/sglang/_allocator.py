@@ -68,7 +68,7 @@ from typing import Any, cast
 import torch
 
 from ..._errors import AllocatorClosed, KVAsyncError, OutOfBlocks, WouldBlock
-from ._kv import EngineKV, open_bookkeeping_engine
+from ._kv import engine_of, open_bookkeeping_engine
 
 __all__ = ["allocator_class", "maintain"]
 
@@ -113,8 +113,8 @@ def _build_class() -> type:
             kvcache: Any,
             need_sort: bool,
         ) -> None:
-            engine = getattr(kvcache, "_kvasync", None)
-            if not isinstance(engine, EngineKV):
+            engine = engine_of(kvcache)
+            if engine is None:
                 # SGLang's own unit tests build allocators over pools of their own (or none):
                 # with KVASYNC_SGLANG_HOST_POOL=1 the allocator keeps its pages in a host
                 # allocator of its own, which holds no KV (bookkeeping only).

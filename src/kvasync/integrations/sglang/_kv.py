@@ -41,7 +41,10 @@ from ._seams import UnsupportedSGLang
 __all__ = [
     "HOST_POOL",
     "EngineKV",
+    "attach",
     "capacity_bytes",
+    "detach",
+    "engine_of",
     "kv_layout",
     "open_bookkeeping_engine",
     "open_kv_buffers",
@@ -58,6 +61,8 @@ _OPEN_TIMEOUT = 30.0
 _STEP_TOKENS = 8192
 _STEP_REQUESTS = 256
 HOST_POOL = "KVASYNC_SGLANG_HOST_POOL"
+# The attribute of SGLang's KV pool that holds its EngineKV (set by the plugin's buffer hook).
+_POOL_ENGINE = "kvasync_engine"
 
 
 @dataclass
@@ -85,6 +90,25 @@ class EngineKV:
         if not self.closed:
             self.closed = True
             self.allocator.close()
+
+
+def attach(pool: Any, engine: EngineKV) -> None:
+    """Records ``engine`` as the allocator behind SGLang's KV ``pool``."""
+    setattr(pool, _POOL_ENGINE, engine)
+
+
+def engine_of(pool: Any) -> EngineKV | None:
+    """The allocator behind SGLang's KV ``pool``, or None (a pool the plugin did not open)."""
+    engine = getattr(pool, _POOL_ENGINE, None)
+    return engine if isinstance(engine, EngineKV) else None
+
+
+def detach(pool: Any) -> EngineKV | None:
+    """``engine_of(pool)``, no longer recorded on the pool."""
+    engine = engine_of(pool)
+    if engine is not None:
+        delattr(pool, _POOL_ENGINE)
+    return engine
 
 
 def kv_layout(pool: Any) -> KVLayout:
