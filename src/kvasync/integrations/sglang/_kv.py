@@ -12,7 +12,8 @@ kvasync's per-layer layout with ``block_size = page_size`` has one range per (la
 ``kv.layer(i)[0].view(-1, head_num, head_dim)`` is layer ``i``'s K buffer, row for row, SGLang
 page ``p`` is kvasync block ``p``, and the attention kernels run unchanged. Block 0 is allocated
 at open and held for the engine's life (zeroed, as SGLang's ``torch.zeros`` buffers start), so
-its page is always mapped; nothing else is mapped until SGLang allocates.
+its page is always mapped. Beyond it the allocator maps only its reserve (a scheduler step's
+pages, mapped ahead by the mapper thread; within the limit) and what SGLang allocates.
 
 Capacity is the virtual range kvasync reserves for ``size`` tokens: SGLang's configurator sizes
 ``size`` from ``_profile_available_bytes``, which the plugin answers with kvasync's limit
