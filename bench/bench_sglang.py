@@ -17,7 +17,7 @@ Modes (``--modes``, in order; each prints its table, and everything goes to ``--
   down), every wait with a deadline. Stock SGLang sizes its pool from free memory, with its
   default ``mem_fraction_static``; kvasync's engines share one budget.
 - ``two``: two engines, bursts alternating between them (``--bursts`` of ``--burst-requests``,
-  1,536-token prompts, 256 output tokens), on one budget (``--budget``): ``shared`` (one kvasync
+  1,536-token prompts, ``--output-len`` output tokens), on one budget (``--budget``): ``shared`` (one kvasync
   share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` = budget/2) and ``static-stock``
   (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
 
@@ -447,7 +447,7 @@ class Bench:
             requests=args.burst_requests,
             window_s=1.0,
             prompt_len=1536,
-            output_len=256,
+            output_len=args.output_len,
         )
         record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
         self.results["two"] = record
@@ -580,7 +580,7 @@ class Bench:
             requests=args.burst_requests,
             window_s=1.0,
             prompt_len=1536,
-            output_len=256,
+            output_len=args.output_len,
         )
         end = plan_end(plan)
         record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
@@ -758,8 +758,12 @@ def main() -> None:
     parser.add_argument("--seed-deadline-s", type=float, default=120.0)
     parser.add_argument("--budget-gib", type=float, default=6.0)
     parser.add_argument("--bursts", type=int, default=4)
-    parser.add_argument("--burst-requests", type=int, default=96)
-    parser.add_argument("--period-s", type=float, default=8.0)
+    # A burst's KV (64 x (1,536 + 768) tokens x 32 KiB = 4.5 GiB) is over half of the default
+    # 6 GiB budget and within all of it: static halves queue, a share need not. The first run
+    # (96 x (1,536 + 256), 8 s apart) did not bind: SGLang finished each burst too fast.
+    parser.add_argument("--burst-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=768)
+    parser.add_argument("--period-s", type=float, default=10.0)
     parser.add_argument("--slo-s", type=float, default=2.0)
     parser.add_argument(
         "--two-variants", nargs="+", default=["shared", "static-kvasync", "static-stock"]
