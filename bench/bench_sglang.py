@@ -17,8 +17,8 @@ Modes (``--modes``, in order; each prints its table, and everything goes to ``--
   down), every wait with a deadline. Stock SGLang sizes its pool from free memory, with its
   default ``mem_fraction_static``; kvasync's engines share one budget.
 - ``two``: two engines, bursts alternating between them (``--bursts`` of ``--burst-requests``,
-  1,536-token prompts, ``--output-len`` output tokens), on one budget (``--budget``): ``shared`` (one kvasync
-  share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` = budget/2) and ``static-stock``
+  1,536-token prompts, ``--output-len`` output tokens), on one budget (``--budget-gib``):
+  ``shared`` (one kvasync share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` = budget/2) and ``static-stock``
   (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
 
 Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
