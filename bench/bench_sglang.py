@@ -18,11 +18,15 @@ Modes (``--modes``, in order; each prints its table, and everything goes to ``--
   default ``mem_fraction_static``; kvasync's engines share one budget.
 - ``two``: two engines, bursts alternating between them (``--bursts`` of ``--burst-requests``,
   1,536-token prompts, ``--output-len`` output tokens), on one budget (``--budget-gib``):
-  ``shared`` (one kvasync share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` = budget/2) and ``static-stock``
-  (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
+  ``shared`` (one kvasync share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` =
+  budget/2) and ``static-stock`` (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
+
+- ``mixed``: the same bursts alternating between a vLLM engine (``--vllm-site``) and an SGLang
+  engine: ``shared`` (both in one kvasync share) against ``static`` (stock vLLM's
+  ``kv_cache_memory_bytes`` and stock SGLang's ``max_total_tokens``, budget/2 each).
 
 Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
-    python bench/bench_sglang.py --out $OUT --modes identity release
+    SGLANG_SITE=$HOME/ssite python3 bench/bench_sglang.py --out $OUT --modes identity release
 """
 
 from __future__ import annotations
