@@ -19,7 +19,8 @@ Modes (``--modes``, in order; each prints its table, and everything goes to ``--
 - ``two``: two engines, bursts alternating between them (``--bursts`` of ``--burst-requests``,
   1,536-token prompts, ``--output-len`` output tokens), on one budget (``--budget-gib``):
   ``shared`` (one kvasync share), ``static-kvasync`` (each ``KVASYNC_MEMORY_LIMIT`` =
-  budget/2) and ``static-stock`` (each ``max_total_tokens`` = budget/2 in tokens). Requests within the TTFT SLO (``--slo-s``).
+  budget/2) and ``static-stock`` (each ``max_total_tokens`` = budget/2 in tokens). Requests
+  within the TTFT SLO (``--slo-s``).
 
 - ``mixed``: the same bursts alternating between a vLLM engine (``--vllm-site``) and an SGLang
   engine: ``shared`` (both in one kvasync share) against ``static`` (stock vLLM's
