@@ -161,7 +161,6 @@ block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free se
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import sys
@@ -481,10 +480,15 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
-            # Read for every running request every step; the Allocator's checked method (its
-            # one int comparison raises AllocatorClosed when closed or in a forked child).
-            self._available_blocks: Callable[[], int] = engine.allocator.allocator.available_blocks
-            self._drain = engine.allocator.allocator.drain_from
+            # The calls that never wait, made on the scheduler's path (available_blocks for
+            # every running request every step, the rest for each new block and free): the
+            # Allocator's own checked methods (each raises AllocatorClosed when closed or in a
+            # forked child), without the SyncAllocator's pass-through frame.
+            allocator = engine.allocator.allocator
+            self._available_blocks: Callable[[], int] = allocator.available_blocks
+            self._alloc_nowait: Callable[[int], list[int]] = allocator.alloc_nowait
+            self._free: Callable[..., None] = allocator.free
+            self._drain = allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
             self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
@@ -551,34 +555,19 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._view.unlink()
             # The pocket (promised by the count), then mapped free blocks, then the cached blocks
             # the count let go; only a call vLLM did not count reaches the allocator's wait.
-            ids = self._from_pocket(num_blocks)
-            pocketed = len(ids)
-            queued = int(self.cached_free_queue.num_free_blocks)
-            # The allocator's part can fail (a call vLLM did not count, past what the limit
-            # allows), so it comes before any block is handed out or prefix dropped: as in
-            # vLLM's pool, a call that fails takes nothing.
-            try:
-                if pocketed < num_blocks:
-                    ids += self._mapped_now(num_blocks - pocketed)
-                rest = num_blocks - len(ids)
-                evict = min(rest, self._may_evict, queued)
-                if rest > evict:
-                    fresh = self._take(rest - evict, queued - evict)
-                    self._taken += len(fresh)
-                    ids += fresh
-            except BaseException as error:
-                self._pocket[:0] = ids[:pocketed]  # the promise stands
-                self._give_back(ids[pocketed:])
-                if isinstance(error, AllocatorClosed):
-                    raise self._closed(error) from error
-                raise
-            self._may_evict -= evict
+            ids = self._pocket
+            if len(ids) == num_blocks:  # the count's promise, whole: every counted allocation
+                self._pocket = []
+            else:
+                ids = self._from_other_places(num_blocks)
             blocks = self.blocks
             taken = [blocks[i] for i in ids]
             for block in taken:
                 block.ref_cnt = 1
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_allocated(block)
+            collector = self.metrics_collector
+            if collector:
+                for block in taken:
+                    collector.on_block_allocated(block)
             if len(taken) < num_blocks:  # what the count let go, and what _take left to evict
                 taken.extend(self._evict(num_blocks - len(taken)))
             return taken
@@ -589,21 +578,24 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             cached = []
             released = []
             others: dict[Any, list[Any]] = {}
+            foreign = self._foreign_blocks
+            caching = self.enable_caching
             for block in ordered_blocks:
-                if self._foreign_blocks:  # vLLM 0.33: a block of another pool
+                if foreign:  # vLLM 0.33: a block of another pool
                     owner = getattr(block, "pool", None)
                     if owner is not None and owner is not self:
                         others.setdefault(owner, []).append(block)
                         continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
-                    # No prefix will hit it (no hash, or caching off): kvasync's at once.
-                    if block.block_hash is None or not self.enable_caching:
+                    # No prefix will hit it (caching off, or no hash): kvasync's at once.
+                    if not caching or block.block_hash is None:
                         released.append(block)
                     else:
                         cached.append(block)
             # vLLM's order: the first freed is the first evicted, so cached blocks go to the tail.
-            self.cached_free_queue.append_n(cached)
+            if cached:
+                self.cached_free_queue.append_n(cached)
             # Idle (only the blocks freed now are held): the reserve policy decides what stays
             # mapped. The pocket goes back first, so that the blocks freed now come out first.
             if self._pocket and self._num_running() == len(released):
@@ -702,8 +694,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _mapped_free(self) -> int:
             """The allocator's blocks an ``alloc_nowait`` gets now: mapped, free, not draining
             (over its limit, ``available_blocks`` is just those)."""
-            kv = self._kv
-            return max(0, min(kv.stats().free_blocks, kv.available_blocks()))
+            return max(0, min(self._kv.stats().free_blocks, self._available_blocks()))
 
         def _mapped_now(self, n: int) -> list[int]:
             """Up to ``n`` of the allocator's mapped free blocks, without waiting."""
@@ -711,7 +702,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if k <= 0:
                 return []
             try:
-                ids = list(self._kv.alloc_nowait(k))
+                ids = list(self._alloc_nowait(k))
             except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
                 return []
             except AllocatorClosed:
@@ -725,12 +716,12 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _promise(self, demand: Demand, queued: int) -> int:
             """The free count for ``demand`` (Note [Count only what is mapped])."""
             n = demand.blocks
-            kv = self._kv
-            self._give_back_pocket(n)
+            if len(self._pocket) > n:
+                self._give_back_pocket(n)
             short = n - len(self._pocket)
             if short > 0:
                 try:  # the hot path: mapped free blocks, taken in one call
-                    taken = kv.alloc_nowait(short)
+                    taken = self._alloc_nowait(short)
                     self._taken += len(taken)
                     self._pocket += taken
                 except (WouldBlock, OutOfBlocks):
@@ -749,8 +740,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._may_evict = 0
                 if self.stalled is not None:
                     self._served(demand)
-                return len(self._pocket) + queued + kv.available_blocks()
-            room = kv.available_blocks()  # on their way in, and mappable within the budget
+                return len(self._pocket) + queued + self._available_blocks()
+            room = self._available_blocks()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
             if self._may_evict < short:
@@ -763,9 +754,33 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self.num_lag_evictions += short - lacking
             return len(self._pocket) + self._may_evict
 
-        def _from_pocket(self, n: int) -> list[int]:
+        def _from_other_places(self, n: int) -> list[int]:
+            """The ids of ``n`` blocks for a call the count did not promise whole: the pocket's,
+            then mapped free blocks, then for a call vLLM did not count the allocator's (waiting
+            for their mapping); short of ``n`` by the cached blocks the caller evicts."""
             pocket = self._pocket
             ids, self._pocket = pocket[:n], pocket[n:]
+            pocketed = len(ids)
+            queued = int(self.cached_free_queue.num_free_blocks)
+            # The allocator's part can fail (a call vLLM did not count, past what the limit
+            # allows), so it comes before any block is handed out or prefix dropped: as in
+            # vLLM's pool, a call that fails takes nothing.
+            try:
+                if pocketed < n:
+                    ids += self._mapped_now(n - pocketed)
+                rest = n - len(ids)
+                evict = min(rest, self._may_evict, queued)
+                if rest > evict:
+                    fresh = self._take(rest - evict, queued - evict)
+                    self._taken += len(fresh)
+                    ids += fresh
+            except BaseException as error:
+                self._pocket[:0] = ids[:pocketed]  # the promise stands
+                self._give_back(ids[pocketed:])
+                if isinstance(error, AllocatorClosed):
+                    raise self._closed(error) from error
+                raise
+            self._may_evict -= evict
             return ids
 
         def _give_back_pocket(self, keep: int) -> None:
@@ -779,7 +794,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             (Note [Who owns a free block])."""
             if ids:
                 try:
-                    self._kv.free(ids[::-1])
+                    self._free(ids[::-1])
                 except AllocatorClosed as error:
                     raise self._closed(error) from error
                 self._taken -= len(ids)
@@ -803,11 +818,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """
             kv = self._kv
             try:
-                return list(kv.alloc_nowait(n))
+                return list(self._alloc_nowait(n))
             except WouldBlock:
                 pass  # the miss started mapping what the reserve lacks
             lacking = n - queued
-            wanted = max(lacking, min(n, kv.available_blocks()))
+            wanted = max(lacking, min(n, self._available_blocks()))
             if wanted <= 0:
                 return []
             deadline = time.monotonic() + _MAP_WAIT
@@ -826,14 +841,18 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """Gives vLLM's ``blocks`` back to the allocator (after the worker's stream)."""
             if not blocks:
                 return
-            self._notify_reused(blocks)
+            if self._watched and self._reuse_watchers:
+                self._notify_reuse(blocks)  # _notify_reused, inline: every free comes here
             after = self._fence() if self._fence is not None else None
             # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
-            # block]).
-            # A closed allocator and its pages are gone (Note [When the allocator fails]): vLLM's
-            # shutdown ends its requests after the stop, and their frees give back nothing.
-            with contextlib.suppress(AllocatorClosed):
-                self._kv.free([b.block_id for b in reversed(blocks)], after=after)
+            # block]). Not contextlib.suppress: its three Python calls on every free.
+            try:  # noqa: SIM105
+                self._free([b.block_id for b in reversed(blocks)], after=after)
+            except AllocatorClosed:
+                # A closed allocator and its pages are gone (Note [When the allocator fails]):
+                # vLLM's shutdown ends its requests after the stop, and their frees give back
+                # nothing.
+                pass
             self._taken -= len(blocks)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
@@ -848,6 +867,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             draining pages."""
             queue = self.cached_free_queue
             keep = self._keep_cached
+            if not self._pocket and not queue.num_free_blocks:
+                return  # none to give back (caching off: every free)
             try:
                 drain = self._drain()
             except AllocatorClosed:  # gone with its pages: vLLM's shutdown frees after the stop
