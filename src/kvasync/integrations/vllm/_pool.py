@@ -54,6 +54,18 @@ the mapper would stall the engine loop (the scheduler step). Instead:
   a prefix others may hit). For a running request the shortfall may be evicted too: the other
   outcome of a miss there is a preemption, which costs more than a cached prefix and would
   cascade (a preempted request's full blocks go to the queue, which the rule does not count).
+- A count of no block (a running request whose next tokens fit in its last block: nearly every
+  count, every running request every step) takes and gives back nothing, and answers the queue
+  and the allocator's room: headroom alone, which vLLM compares only with its watermark and the
+  blocks it reserves for in-flight loads (none for a running request). The room is read once a
+  step: the step's first such count asks ``available_blocks`` and the later ones reuse the
+  answer, until the pool next allocates or frees (``_promise``'s count reads it afresh, the
+  others drop it) or the step ends (vLLM takes the pool's events once a step, in
+  ``update_from_output``: ``take_events``). So within a step they miss only what another thread
+  or process changed meanwhile (a limit lowered, a neighbour's share, a close), as if it had
+  happened at the step's end; the next step's first count sees it. A room of none is never
+  reused (it is where a close shows, Note [When the allocator fails]), and a forked child
+  forgets it.
 - The pocket keeps at most the demand being counted: a smaller demand gives the surplus back,
   and so does a free that leaves no request holding blocks, so an idle engine's memory goes back
   as the reserve policy says.
@@ -96,7 +108,10 @@ allocator raises there is one of:
   unmapped pages, never a stall. A closed allocator raises nothing on the count's hot path (it
   has no block available), so there, when none is available, the count looks at most every
   ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
-  allocator always maps block 0's page, the null block). Frees into a closed allocator raise
+  allocator always maps block 0's page, the null block). A count of no block reuses the
+  step's room (Note [Count only what is mapped]), so a close during a step stops the engine at
+  the next step's first count, or at the pool's next allocation, whichever comes first; a
+  forked child reads the room afresh at its first count. Frees into a closed allocator raise
   nothing: vLLM's side is recorded and the pages are gone already.
 - A bug (raised as is): ``ValueError`` or ``TypeError`` (a free of a block not allocated, a
   count below 1) means the pool's bookkeeping is wrong, and going on would hand a block out
@@ -163,6 +178,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import time
 import weakref
@@ -432,6 +448,21 @@ class FreeBlocksView:
         )
 
 
+# Every pool of this process, for the fork hook below.
+_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_rooms_in_child() -> None:
+    """A forked child reads each pool's room afresh: the allocator there is the parent's, and
+    its checked ``available_blocks`` raises the fork's error (Note [When the allocator
+    fails])."""
+    for pool in list(_pools):
+        pool.forget_room()
+
+
+os.register_at_fork(after_in_child=_forget_rooms_in_child)
+
+
 def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
     """A subclass of vLLM's ``BlockPool`` (``base``) over the engine ``find_engine()`` returns.
 
@@ -508,6 +539,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             )
             self._watched = hasattr(self, "_reuse_watchers")
             self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
+            # The allocator's room as this step's counts of no block read it (Note [Count only
+            # what is mapped]); None: read it afresh. Dropped when the pool allocates or frees,
+            # at the step's end (take_events) and in a forked child.
+            self._room_this_step: int | None = None
+            _pools.add(self)
             self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
             self.num_lag_evictions = 0  # cached blocks a running request took for unmapped ones
             # Note [When the allocator fails]: counts answered short because the request needs
@@ -538,12 +574,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             try:
                 if demand is _NO_BLOCKS and not self._pocket:
                     # The hot path, every running request every step: nothing to take or give
-                    # back, so what _promise counts is the headroom alone.
+                    # back, so what _promise counts is the headroom alone, the allocator's room
+                    # read once a step (Note [Count only what is mapped]).
                     self._may_evict = 0
-                    available: int = self._available_blocks()
-                    if available <= 0:  # none, or closed: closed raises nothing here
-                        self._probe_closed()
-                    return queued + available
+                    room = self._room_this_step
+                    if room is None:
+                        room = self._available_blocks()
+                        if room <= 0:  # none, or closed: closed raises nothing here
+                            self._probe_closed()
+                        else:
+                            self._room_this_step = room
+                    return queued + room
                 return self._promise(demand, queued)
             except AllocatorClosed as error:
                 raise self._closed(error) from error
@@ -651,6 +692,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self.kv_event_queue.append(sys.modules[base.__module__].AllBlocksCleared())
             return True
 
+        def take_events(self) -> list[Any]:
+            # vLLM's scheduler takes the pool's events once a step (update_from_output): the
+            # step's end, after which a count of no block reads the room afresh (Note [Count
+            # only what is mapped]).
+            self._room_this_step = None
+            events: list[Any] = super().take_events()
+            return events
+
         def get_usage(self) -> float:
             # The share of what the budget allows that requests and the prefix cache use: read
             # every step (vLLM's stats), so from the pool's count, not a stats snapshot.
@@ -664,6 +713,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def kvasync_allocator(self) -> Any:
             """The engine's ``kvasync.SyncAllocator``."""
             return self._kv
+
+        def forget_room(self) -> None:
+            """The next count of no block reads the allocator's room afresh (Note [Count only
+            what is mapped]): at a step's end, and in a forked child."""
+            self._room_this_step = None
 
         @property
         def num_pocket_blocks(self) -> int:
@@ -701,6 +755,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             k = min(n, self._mapped_free())
             if k <= 0:
                 return []
+            self._room_this_step = None  # it allocates
             try:
                 ids = list(self._alloc_nowait(k))
             except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
@@ -740,8 +795,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._may_evict = 0
                 if self.stalled is not None:
                     self._served(demand)
-                return len(self._pocket) + queued + self._available_blocks()
-            room = self._available_blocks()  # on their way in, and mappable within the budget
+                return len(self._pocket) + queued + self._room_now()
+            room = self._room_now()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
             if self._may_evict < short:
@@ -753,6 +808,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             elif demand.running and lacking < short:
                 self.num_lag_evictions += short - lacking
             return len(self._pocket) + self._may_evict
+
+        def _room_now(self) -> int:
+            """The allocator's ``available_blocks``, read now: the step's later counts of no
+            block reuse it while the pool neither allocates nor frees (Note [Count only what is
+            mapped])."""
+            room = self._available_blocks()
+            self._room_this_step = room if room > 0 else None
+            return room
 
         def _from_other_places(self, n: int) -> list[int]:
             """The ids of ``n`` blocks for a call the count did not promise whole: the pocket's,
@@ -793,6 +856,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             to wait for); last first, so that they come out again in the order they were taken
             (Note [Who owns a free block])."""
             if ids:
+                self._room_this_step = None  # it frees
                 try:
                     self._free(ids[::-1])
                 except AllocatorClosed as error:
@@ -817,6 +881,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             what the budget lacks]).
             """
             kv = self._kv
+            self._room_this_step = None  # it allocates
             try:
                 return list(self._alloc_nowait(n))
             except WouldBlock:
@@ -841,6 +906,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """Gives vLLM's ``blocks`` back to the allocator (after the worker's stream)."""
             if not blocks:
                 return
+            self._room_this_step = None  # it frees
             if self._watched and self._reuse_watchers:
                 self._notify_reuse(blocks)  # _notify_reused, inline: every free comes here
             after = self._fence() if self._fence is not None else None
