@@ -24,11 +24,13 @@ wrapper). Per step: the scheduler thread's CPU time (``time.thread_time``: the m
 work and the time the thread is descheduled are not in it) of ``schedule()`` +
 ``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
 whole run against stock's (all rounds, and the lowest and highest of each round's run over
-stock's run beside it: the spread); the median over steps of a step's time over stock's same
-step; the wall median. Per call (wall time): the scheduler's calls into the KV cache
-(``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``, the coordinator's
-``get_num_blocks_to_allocate``) and the pool's methods they reach (``get_num_free_blocks``,
-``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step stats read).
+stock's run beside it: the spread, and their median with its 95% confidence interval by the
+bootstrap: enough rounds, ``--rounds 10`` or more, make it narrow); the median over steps of
+a step's time over stock's same step; the wall median. Per call (wall time): the scheduler's
+calls into the KV cache (``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``,
+the coordinator's ``get_num_blocks_to_allocate``) and the pool's methods they reach
+(``get_num_free_blocks``, ``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step
+stats read).
 ``--before REV`` adds kvasync's pool as it is at a git revision (``git show REV:...``), for a
 before/after table in one run.
 
@@ -52,6 +54,8 @@ import json
 import os
 import platform
 import pstats
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -409,6 +413,17 @@ def run_together(
 # -- the report --------------------------------------------------------------------------------
 
 
+def median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of ``values`` and its 95% confidence interval, by the bootstrap (the medians
+    of ``resamples`` resamples, seeded: the same values print the same interval). Distribution
+    free: a run's ratio on a shared machine has outliers on both sides."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return statistics.median(values), medians[resamples * 25 // 1000], medians[-resamples // 40]
+
+
 def fmt_us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f}"
 
@@ -427,8 +442,10 @@ def step_table(
         for pool in pools:
             s = results[(pool, caching)]
             per_run = sum(s.steps) / len(s.steps_per_run)
-            # Each run against stock's run beside it (same round, same load): their spread.
+            # Each run against stock's run beside it (same round, same load): their spread, and
+            # their median with its confidence interval.
             ratios = [mine / theirs for mine, theirs in zip(s.run_cpu, stock.run_cpu, strict=True)]
+            median, low, high = median_ci(ratios)
             rows.append(
                 [
                     pool,
@@ -440,6 +457,7 @@ def step_table(
                     fmt_ms(per_run),
                     f"{per_run / base:.3f}x",
                     f"{min(ratios):.3f}-{max(ratios):.3f}x",
+                    f"{median:.3f}x [{low:.3f}, {high:.3f}]",
                     f"{percentile(s.ratios, 50):.3f}x",
                     fmt_ms(percentile(s.walls, 50)),
                     str(max(s.misses)) if s.misses else "-",
@@ -456,6 +474,7 @@ def step_table(
             "CPU ms a run",
             "run vs stock",
             "runs vs stock, min-max",
+            "runs vs stock, median [95% CI]",
             "step vs stock p50",
             "step wall p50 ms",
             "map-ahead misses",
