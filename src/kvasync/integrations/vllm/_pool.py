@@ -697,7 +697,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             # step's end, after which a count of no block reads the room afresh (Note [Count
             # only what is mapped]).
             self._room_this_step = None
-            events: list[Any] = super().take_events()
+            events: list[Any] = base.take_events(self)
             return events
 
         def get_usage(self) -> float:
