@@ -105,9 +105,9 @@ allocator raises there is one of:
   logs one error line that says so and raises ``AllocatorClosed`` with that message (every
   later call raises the same), and vLLM's own fatal-error path tells its front-ends the engine
   is dead (each request ends with an engine error) and shuts it down: never a step over
-  unmapped pages, never a stall. A closed allocator raises nothing on the count's hot path (it
-  has no block available), so there, when none is available, the count looks at most every
-  ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
+  unmapped pages, never a stall. On the count's hot path a closed allocator's checked
+  ``available_blocks`` raises it; where that finds none available, the count also looks at most
+  every ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
   allocator always maps block 0's page, the null block). A count of no block reuses the
   step's room (Note [Count only what is mapped]), so a close during a step stops the engine at
   the next step's first count, or at the pool's next allocation, whichever comes first; a
@@ -580,7 +580,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                     room = self._room_this_step
                     if room is None:
                         room = self._available_blocks()
-                        if room <= 0:  # none, or closed: closed raises nothing here
+                        if room <= 0:  # none: is any page still mapped?
                             self._probe_closed()
                         else:
                             self._room_this_step = room
