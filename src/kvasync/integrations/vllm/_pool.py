@@ -476,8 +476,44 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         Notes [Who owns a free block] and [Count only what is mapped] in _pool.py.
         """
 
+        # The pool's own state is in slots, and vLLM's in the instance dict: that dict then
+        # holds stock's few keys, which CPython shares between instances and reads inline (past
+        # 30 keys it stops), so vLLM's reads of the pool (several for every running request
+        # every step) cost what they cost on stock's pool.
+        __slots__ = (
+            "_alloc_nowait",
+            "_available_blocks",
+            "_closed_error",
+            "_closed_probe_due",
+            "_counted",
+            "_drain",
+            "_engine",
+            "_error_logged",
+            "_errors_unlogged",
+            "_fence",
+            "_foreign_blocks",
+            "_free",
+            "_keep_cached",
+            "_kv",
+            "_may_evict",
+            "_pocket",
+            "_room_this_step",
+            "_stall_logged",
+            "_taken",
+            "_view",
+            "_watched",
+            "cached_free_queue",
+            "clock",
+            "expect",
+            "log_interval",
+            "num_allocator_errors",
+            "num_lag_evictions",
+            "num_map_ahead_misses",
+            "num_stalled_counts",
+            "stalled",
+        )
+
         free_block_queue: Any
-        cached_free_queue: Any
         cached_block_hash_to_block: Any
 
         def __init__(
