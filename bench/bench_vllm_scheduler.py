@@ -24,13 +24,20 @@ wrapper). Per step: the scheduler thread's CPU time (``time.thread_time``: the m
 work and the time the thread is descheduled are not in it) of ``schedule()`` +
 ``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
 whole run against stock's (all rounds, and the lowest and highest of each round's run over
-stock's run beside it: the spread); the median over steps of a step's time over stock's same
-step; the wall median. Per call (wall time): the scheduler's calls into the KV cache
-(``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``, the coordinator's
-``get_num_blocks_to_allocate``) and the pool's methods they reach (``get_num_free_blocks``,
-``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step stats read).
+stock's run beside it: the spread, and their median with its 95% confidence interval by the
+bootstrap: enough rounds, ``--rounds 10`` or more, make it narrow); the median over steps of
+a step's time over stock's same step; the wall median. Per call (wall time): the scheduler's
+calls into the KV cache (``KVCacheManager.allocate_slots``, ``free``, ``get_computed_blocks``,
+the coordinator's ``get_num_blocks_to_allocate``) and the pool's methods they reach
+(``get_num_free_blocks``, ``get_new_blocks``, ``free_blocks``, ``get_usage``, which the per-step
+stats read).
 ``--before REV`` adds kvasync's pool as it is at a git revision (``git show REV:...``), for a
 before/after table in one run.
+
+``--scaling N,N,...`` then measures the cost per unit of work: decode steps of ``N`` running
+requests (prompts done, none finishing), stock's and kvasync's schedulers in lock step, kvasync's
+step less stock's same step for each ``N``, and the line through them: a cost a step and a cost a
+running request a step (with its share of new blocks, one every 16 steps).
 
 ``--profile`` then runs kvasync's pool under cProfile for one pass of each caching setting and
 prints the functions with the most time of their own.
@@ -38,7 +45,8 @@ prints the functions with the most time of their own.
 Runs where vLLM 0.26 imports (``make vllm-test`` makes such a venv, under
 ``~/.cache/kvasync/vllm-matrix/0.26.0/venv``); no
 GPU is used. Usage: bench/bench_vllm_scheduler.py [--rounds N] [--caching on|off|both]
-[--requests N] [--prompt T] [--output T] [--before REV] [--profile] [--quick]
+[--requests N] [--prompt T] [--output T] [--before REV] [--scaling N,N,...] [--profile]
+[--quick]
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ import json
 import os
 import platform
 import pstats
+import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -279,15 +289,19 @@ def scheduler_for(pool: Any, vllm_config: Any, num_blocks: int) -> Iterator[Any]
             engine.allocator.close()
 
 
-def make_requests(workload: Workload, hasher: Any, round_seed: int) -> list[Any]:
+def make_requests(
+    workload: Workload, hasher: Any, round_seed: int, stagger: bool = False
+) -> list[Any]:
     """Prompts of a common prefix then tokens of their own (distinct across rounds, so that a
-    round's prefix hits are its own)."""
+    round's prefix hits are its own); ``stagger``: request ``i``'s prompt ``i % BLOCK_SIZE``
+    tokens longer, so that their decodes start new blocks at different steps."""
     shared = [(round_seed * 7919 + t) % VOCAB for t in range(workload.shared_prefix)]
     requests = []
     for i in range(workload.requests):
+        longer = i % BLOCK_SIZE if stagger else 0
         own = [
             (round_seed * 104_729 + i * 1_009 + t * 31) % VOCAB
-            for t in range(workload.prompt - workload.shared_prefix)
+            for t in range(workload.prompt - workload.shared_prefix + longer)
         ]
         requests.append(
             Request(
@@ -409,6 +423,17 @@ def run_together(
 # -- the report --------------------------------------------------------------------------------
 
 
+def median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """The median of ``values`` and its 95% confidence interval, by the bootstrap (the medians
+    of ``resamples`` resamples, seeded: the same values print the same interval). Distribution
+    free: a run's ratio on a shared machine has outliers on both sides."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return statistics.median(values), medians[resamples * 25 // 1000], medians[-resamples // 40]
+
+
 def fmt_us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f}"
 
@@ -427,8 +452,10 @@ def step_table(
         for pool in pools:
             s = results[(pool, caching)]
             per_run = sum(s.steps) / len(s.steps_per_run)
-            # Each run against stock's run beside it (same round, same load): their spread.
+            # Each run against stock's run beside it (same round, same load): their spread, and
+            # their median with its confidence interval.
             ratios = [mine / theirs for mine, theirs in zip(s.run_cpu, stock.run_cpu, strict=True)]
+            median, low, high = median_ci(ratios)
             rows.append(
                 [
                     pool,
@@ -440,6 +467,7 @@ def step_table(
                     fmt_ms(per_run),
                     f"{per_run / base:.3f}x",
                     f"{min(ratios):.3f}-{max(ratios):.3f}x",
+                    f"{median:.3f}x [{low:.3f}, {high:.3f}]",
                     f"{percentile(s.ratios, 50):.3f}x",
                     fmt_ms(percentile(s.walls, 50)),
                     str(max(s.misses)) if s.misses else "-",
@@ -456,6 +484,7 @@ def step_table(
             "CPU ms a run",
             "run vs stock",
             "runs vs stock, min-max",
+            "runs vs stock, median [95% CI]",
             "step vs stock p50",
             "step wall p50 ms",
             "map-ahead misses",
@@ -495,6 +524,122 @@ def call_table(
     )
 
 
+def decode_scaling(
+    args: argparse.Namespace,
+    modules: dict[str, Any],
+    settings: list[str],
+    model_dir: str,
+    hasher: Any,
+) -> str:
+    """The cost per unit of work: stock's scheduler and each kvasync pool's (``modules``) in
+    lock step over decode steps of ``n`` running requests (prompts done, none finishing; their
+    prompts' lengths staggered, so that about ``n / BLOCK_SIZE`` of them start a new block each
+    step), for each ``n`` of ``--scaling``; a pool's CPU time a step less stock's same step, and
+    the line through them (a cost a step, and a cost a running request a step, which includes
+    its share of new blocks: one every ``BLOCK_SIZE`` steps)."""
+    pools = [pool for pool in modules if pool != STOCK]
+    rows = []
+    lines = []
+    for caching in settings:
+        points: dict[str, list[tuple[int, float]]] = {pool: [] for pool in pools}
+        for n in args.scaling:
+            per_request = -(-(args.prompt + BLOCK_SIZE + args.scaling_steps + 64) // BLOCK_SIZE)
+            workload = Workload(
+                requests=n,
+                prompt=args.prompt,
+                output=args.scaling_steps + 64,  # none finishes
+                shared_prefix=args.shared_prefix,
+                max_seqs=max(args.max_seqs, n),
+                batched_tokens=args.batched_tokens,
+                # And room for the reserve the worker would give the scheduler.
+                num_blocks=max(n * per_request, 4096) + 1,
+            )
+            vllm_config = vllm_config_for(workload, caching == "on", model_dir)
+            steps: dict[str, list[float]] = {pool: [] for pool in modules}
+            with ExitStack() as stack:
+                schedulers = {
+                    pool: stack.enter_context(
+                        scheduler_for(module, vllm_config, workload.num_blocks)
+                    )
+                    for pool, module in modules.items()
+                }
+                for scheduler in schedulers.values():
+                    for request in make_requests(workload, hasher, 20_000 + n, stagger=True):
+                        scheduler.add_request(request)
+                step = 0
+                while any(  # the prompts' steps: not measured
+                    r.num_computed_tokens < r.num_prompt_tokens
+                    for s in schedulers.values()
+                    for r in s.requests.values()
+                ):
+                    for scheduler in schedulers.values():
+                        output = scheduler.schedule()
+                        scheduler.update_from_output(output, model_output(scheduler, output, step))
+                    step += 1
+                    if step > 10 * n + 100:
+                        raise RuntimeError(f"{n} prompts were not done in {step} steps")
+                gc.collect()
+                names = list(schedulers)
+                for index in range(args.scaling_steps):
+                    shift = index % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        scheduler = schedulers[name]
+                        start = time.thread_time()
+                        output = scheduler.schedule()
+                        scheduler.update_from_output(output, model_output(scheduler, output, step))
+                        steps[name].append(time.thread_time() - start)
+                        if len(output.num_scheduled_tokens) != n:
+                            raise RuntimeError(f"{name}: a decode step did not run all {n}")
+                    step += 1
+            stock = percentile(steps[STOCK], 50)
+            for pool in pools:
+                paired = zip(steps[pool], steps[STOCK], strict=True)
+                deltas = [mine - theirs for mine, theirs in paired]
+                median, low, high = median_ci(deltas)
+                points[pool].append((n, median))
+                rows.append(
+                    [
+                        pool,
+                        caching,
+                        str(n),
+                        fmt_us(stock),
+                        fmt_us(percentile(steps[pool], 50)),
+                        f"{fmt_us(median)} [{fmt_us(low)}, {fmt_us(high)}]",
+                        f"{median / n * 1e6:.3f}",
+                        f"{median / stock * 100:.1f}%",
+                    ]
+                )
+        for pool in pools:
+            line = points[pool]
+            if len({n for n, _ in line}) < len(line) or len(line) < 2:
+                continue  # one size, or a size twice: no line
+            # The line through the medians (Theil-Sen: the median of the slopes between every
+            # two sizes, so that one size's noisy median does not tilt it): a cost a step and
+            # one a running request.
+            slope = statistics.median(
+                (d2 - d1) / (n2 - n1) for i, (n1, d1) in enumerate(line) for n2, d2 in line[i + 1 :]
+            )
+            intercept = statistics.median(d - slope * n for n, d in line)
+            lines.append(
+                f"- {pool}, prefix caching {caching}: {pool} - stock = {fmt_us(intercept)} µs a "
+                f"step + {slope * 1e6:.3f} µs a running request a step"
+            )
+    table = tables.markdown(
+        [
+            "pool",
+            "prefix caching",
+            "running requests",
+            "stock step p50 µs",
+            "pool step p50 µs",
+            "pool - stock p50 µs [95% CI]",
+            "µs a running request",
+            "of stock's step",
+        ],
+        rows,
+    )
+    return table + "\n\nThe line through the sizes (Theil-Sen):\n\n" + "\n".join(lines)
+
+
 def profile(workload: Workload, settings: list[str], model_dir: str, hasher: Any, top: int) -> str:
     """cProfile of kvasync's pool serving the workload once per caching setting."""
     out = io.StringIO()
@@ -532,6 +677,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile kvasync's pool after")
     parser.add_argument("--top", type=int, default=30, help="profile lines to print")
     parser.add_argument("--quick", action="store_true", help="1 round of 64 requests")
+    parser.add_argument(
+        "--scaling",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[],
+        metavar="N,N,...",
+        help="then decode steps of N running requests each (the cost a step and a request)",
+    )
+    parser.add_argument("--scaling-steps", type=int, default=600, help="decode steps an N")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests = min(args.rounds, 1), 64
@@ -599,6 +752,13 @@ def main() -> None:
             print(step_table(results, pools, settings))
             print("\nPer call (wall time, timed in a pass of their own):\n")
             print(call_table(results, pools, settings))
+        if args.scaling:
+            print(
+                f"\nDecode steps of N running requests ({args.prompt}-token prompts done, "
+                f"{args.scaling_steps} steps each, the scheduler thread's CPU time, a pool's "
+                "step less stock's same step):\n"
+            )
+            print(decode_scaling(args, modules, settings, model_dir, hasher))
         if args.profile:
             print(profile(workload, settings, model_dir, hasher, args.top))
 

@@ -608,6 +608,58 @@ def test_usage_is_what_the_allocator_says_requests_and_the_prefix_cache_hold(
     assert usage_by_the_allocator(pool, kv) == pool.get_usage() == 0.0
 
 
+@needs_vllm
+def test_a_count_of_no_block_reads_the_room_once_a_step_and_again_after_the_pool_moves_blocks(
+    engines: list[EngineKV],
+) -> None:
+    # Every running request is counted every step, nearly always for no block: the step's first
+    # such count reads the allocator's room and the later ones reuse it, until the pool
+    # allocates or frees or the step ends (Note [Count only what is mapped]).
+    engine = open_engine(engines, 1024, memory_limit=16 * 64 << 10)  # 16 pages of 16 blocks
+    pool = make_pool(engine)
+    kv = engine.allocator
+
+    def nothing_to_allocate(
+        self: Any,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return 0
+
+    count = counting_demand(nothing_to_allocate)
+
+    class Coordinator:  # what the count sees of vLLM's coordinator: its pool
+        block_pool = pool
+
+    def count_of_no_block() -> int:
+        """``allocate_slots``' two calls for a running request that needs no block."""
+        assert count(Coordinator(), "r", 32, (), 0, 31, 31, 32) == 0
+        return int(pool.get_num_free_blocks())
+
+    held = pool.get_new_blocks(10)
+    pool.take_events()  # a step's end, as update_from_output takes the events
+    room = kv.available_blocks()
+    assert count_of_no_block() == room  # caching off: no cached block queued
+    kv.resize(memory_limit=8 * 64 << 10, timeout=DEADLINE)  # another thread's, mid-step
+    lowered = kv.available_blocks()
+    assert 0 < lowered < room
+    assert count_of_no_block() == room  # the step's room, as if lowered at its end
+    pool.take_events()
+    assert count_of_no_block() == lowered
+    pool.free_blocks(held[6:])  # the pool frees: the room is read afresh
+    assert count_of_no_block() == kv.available_blocks() == lowered + 4
+    pool.expect(Demand(2, running=True))  # a count of blocks takes them: read afresh after
+    assert pool.get_num_free_blocks() == 2 + kv.available_blocks()
+    pool.get_new_blocks(2)
+    assert count_of_no_block() == kv.available_blocks() == lowered + 2
+
+
 def test_the_count_reads_its_arguments_in_either_checked_signature() -> None:
     # vLLM 0.26's signature is passed on as it is; 0.33's (prefill_end added) is read by name.
     def stock_026(

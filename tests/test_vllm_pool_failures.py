@@ -346,6 +346,23 @@ def test_a_forked_child_of_the_engine_stops_with_an_explained_error_instead_of_a
     assert step(scheduler) == 1  # the parent's engine goes on
 
 
+def test_a_child_forked_mid_step_reads_the_room_afresh_and_stops_with_the_explained_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engines: list[EngineKV]
+) -> None:
+    # A step's counts of no block reuse the room its first one read, until the step's end
+    # (update_from_output): forked before that end, the child has the room in its copy of the
+    # pool. It must read it afresh, and get the fork's error.
+    engine = open_engine(engines, 512)
+    scheduler = make_scheduler(monkeypatch, tmp_path, engine)
+    request = add_request(scheduler, "decoding", 20)
+    assert step(scheduler) == 20
+    # The next step's count for it, as schedule() makes it: no block asked, the room kept.
+    assert scheduler.kv_cache_manager.allocate_slots(request, 1) is not None
+    said = run_in_forked_child(lambda: str(scheduler.schedule().total_num_scheduled_tokens))
+    assert said.startswith("AllocatorClosed: kvasync's vLLM pool: the engine's KV cache"), said
+    assert "forked child" in said
+
+
 # -- a failing map: a miss, never an error -------------------------------------------------
 
 

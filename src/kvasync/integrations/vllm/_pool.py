@@ -54,6 +54,18 @@ the mapper would stall the engine loop (the scheduler step). Instead:
   a prefix others may hit). For a running request the shortfall may be evicted too: the other
   outcome of a miss there is a preemption, which costs more than a cached prefix and would
   cascade (a preempted request's full blocks go to the queue, which the rule does not count).
+- A count of no block (a running request whose next tokens fit in its last block: nearly every
+  count, every running request every step) takes and gives back nothing, and answers the queue
+  and the allocator's room: headroom alone, which vLLM compares only with its watermark and the
+  blocks it reserves for in-flight loads (none for a running request). The room is read once a
+  step: the step's first such count asks ``available_blocks`` and the later ones reuse the
+  answer, until the pool next allocates or frees (``_promise``'s count reads it afresh, the
+  others drop it) or the step ends (vLLM takes the pool's events once a step, in
+  ``update_from_output``: ``take_events``). So within a step they miss only what another thread
+  or process changed meanwhile (a limit lowered, a neighbour's share, a close), as if it had
+  happened at the step's end; the next step's first count sees it. A room of none is never
+  reused (it is where a close shows, Note [When the allocator fails]), and a forked child
+  forgets it.
 - The pocket keeps at most the demand being counted: a smaller demand gives the surplus back,
   and so does a free that leaves no request holding blocks, so an idle engine's memory goes back
   as the reserve policy says.
@@ -93,10 +105,13 @@ allocator raises there is one of:
   logs one error line that says so and raises ``AllocatorClosed`` with that message (every
   later call raises the same), and vLLM's own fatal-error path tells its front-ends the engine
   is dead (each request ends with an engine error) and shuts it down: never a step over
-  unmapped pages, never a stall. A closed allocator raises nothing on the count's hot path (it
-  has no block available), so there, when none is available, the count looks at most every
-  ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
-  allocator always maps block 0's page, the null block). Frees into a closed allocator raise
+  unmapped pages, never a stall. On the count's hot path a closed allocator's checked
+  ``available_blocks`` raises it; where that finds none available, the count also looks at most
+  every ``_CLOSED_PROBE_INTERVAL`` (50 ms) whether any page is still mapped (an open engine's
+  allocator always maps block 0's page, the null block). A count of no block reuses the
+  step's room (Note [Count only what is mapped]), so a close during a step stops the engine at
+  the next step's first count, or at the pool's next allocation, whichever comes first; a
+  forked child reads the room afresh at its first count. Frees into a closed allocator raise
   nothing: vLLM's side is recorded and the pages are gone already.
 - A bug (raised as is): ``ValueError`` or ``TypeError`` (a free of a block not allocated, a
   count below 1) means the pool's bookkeeping is wrong, and going on would hand a block out
@@ -161,9 +176,9 @@ block]), and ``free_block_queue`` is a ``FreeBlocksView`` over the whole free se
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
+import os
 import sys
 import time
 import weakref
@@ -433,6 +448,21 @@ class FreeBlocksView:
         )
 
 
+# Every pool of this process, for the fork hook below.
+_pools: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _forget_rooms_in_child() -> None:
+    """A forked child reads each pool's room afresh: the allocator there is the parent's, and
+    its checked ``available_blocks`` raises the fork's error (Note [When the allocator
+    fails])."""
+    for pool in list(_pools):
+        pool.forget_room()
+
+
+os.register_at_fork(after_in_child=_forget_rooms_in_child)
+
+
 def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
     """A subclass of vLLM's ``BlockPool`` (``base``) over the engine ``find_engine()`` returns.
 
@@ -446,8 +476,44 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         Notes [Who owns a free block] and [Count only what is mapped] in _pool.py.
         """
 
+        # The pool's own state is in slots, and vLLM's in the instance dict: that dict then
+        # holds stock's few keys, which CPython shares between instances and reads inline (past
+        # 30 keys it stops), so vLLM's reads of the pool (several for every running request
+        # every step) cost what they cost on stock's pool.
+        __slots__ = (
+            "_alloc_nowait",
+            "_available_blocks",
+            "_closed_error",
+            "_closed_probe_due",
+            "_counted",
+            "_drain",
+            "_engine",
+            "_error_logged",
+            "_errors_unlogged",
+            "_fence",
+            "_foreign_blocks",
+            "_free",
+            "_keep_cached",
+            "_kv",
+            "_may_evict",
+            "_pocket",
+            "_room_this_step",
+            "_stall_logged",
+            "_taken",
+            "_view",
+            "_watched",
+            "cached_free_queue",
+            "clock",
+            "expect",
+            "log_interval",
+            "num_allocator_errors",
+            "num_lag_evictions",
+            "num_map_ahead_misses",
+            "num_stalled_counts",
+            "stalled",
+        )
+
         free_block_queue: Any
-        cached_free_queue: Any
         cached_block_hash_to_block: Any
 
         def __init__(
@@ -481,10 +547,15 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             if engine.owned:  # a pool of vLLM's tests: its allocator lives as long as it does
                 weakref.finalize(self, engine.allocator.close)
             self._kv = engine.allocator
-            # Read for every running request every step; the Allocator's checked method (its
-            # one int comparison raises AllocatorClosed when closed or in a forked child).
-            self._available_blocks: Callable[[], int] = engine.allocator.allocator.available_blocks
-            self._drain = engine.allocator.allocator.drain_from
+            # The calls that never wait, made on the scheduler's path (available_blocks for
+            # every running request every step, the rest for each new block and free): the
+            # Allocator's own checked methods (each raises AllocatorClosed when closed or in a
+            # forked child), without the SyncAllocator's pass-through frame.
+            allocator = engine.allocator.allocator
+            self._available_blocks: Callable[[], int] = allocator.available_blocks
+            self._alloc_nowait: Callable[[int], list[int]] = allocator.alloc_nowait
+            self._free: Callable[..., None] = allocator.free
+            self._drain = allocator.drain_from
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
             self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
@@ -504,6 +575,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             )
             self._watched = hasattr(self, "_reuse_watchers")
             self._may_evict = 0  # queued blocks the last count let get_new_blocks evict
+            # The allocator's room as this step's counts of no block read it (Note [Count only
+            # what is mapped]); None: read it afresh. Dropped when the pool allocates or frees,
+            # at the step's end (take_events) and in a forked child.
+            self._room_this_step: int | None = None
+            _pools.add(self)
             self.num_map_ahead_misses = 0  # counts answered short while the mapper maps ahead
             self.num_lag_evictions = 0  # cached blocks a running request took for unmapped ones
             # Note [When the allocator fails]: counts answered short because the request needs
@@ -534,12 +610,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             try:
                 if demand is _NO_BLOCKS and not self._pocket:
                     # The hot path, every running request every step: nothing to take or give
-                    # back, so what _promise counts is the headroom alone.
+                    # back, so what _promise counts is the headroom alone, the allocator's room
+                    # read once a step (Note [Count only what is mapped]).
                     self._may_evict = 0
-                    available: int = self._available_blocks()
-                    if available <= 0:  # none, or closed: closed raises nothing here
-                        self._probe_closed()
-                    return queued + available
+                    room = self._room_this_step
+                    if room is None:
+                        room = self._available_blocks()
+                        if room <= 0:  # none: is any page still mapped?
+                            self._probe_closed()
+                        else:
+                            self._room_this_step = room
+                    return queued + room
                 return self._promise(demand, queued)
             except AllocatorClosed as error:
                 raise self._closed(error) from error
@@ -551,34 +632,19 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._view.unlink()
             # The pocket (promised by the count), then mapped free blocks, then the cached blocks
             # the count let go; only a call vLLM did not count reaches the allocator's wait.
-            ids = self._from_pocket(num_blocks)
-            pocketed = len(ids)
-            queued = int(self.cached_free_queue.num_free_blocks)
-            # The allocator's part can fail (a call vLLM did not count, past what the limit
-            # allows), so it comes before any block is handed out or prefix dropped: as in
-            # vLLM's pool, a call that fails takes nothing.
-            try:
-                if pocketed < num_blocks:
-                    ids += self._mapped_now(num_blocks - pocketed)
-                rest = num_blocks - len(ids)
-                evict = min(rest, self._may_evict, queued)
-                if rest > evict:
-                    fresh = self._take(rest - evict, queued - evict)
-                    self._taken += len(fresh)
-                    ids += fresh
-            except BaseException as error:
-                self._pocket[:0] = ids[:pocketed]  # the promise stands
-                self._give_back(ids[pocketed:])
-                if isinstance(error, AllocatorClosed):
-                    raise self._closed(error) from error
-                raise
-            self._may_evict -= evict
+            ids = self._pocket
+            if len(ids) == num_blocks:  # the count's promise, whole: every counted allocation
+                self._pocket = []
+            else:
+                ids = self._from_other_places(num_blocks)
             blocks = self.blocks
             taken = [blocks[i] for i in ids]
             for block in taken:
                 block.ref_cnt = 1
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_allocated(block)
+            collector = self.metrics_collector
+            if collector:
+                for block in taken:
+                    collector.on_block_allocated(block)
             if len(taken) < num_blocks:  # what the count let go, and what _take left to evict
                 taken.extend(self._evict(num_blocks - len(taken)))
             return taken
@@ -589,21 +655,24 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             cached = []
             released = []
             others: dict[Any, list[Any]] = {}
+            foreign = self._foreign_blocks
+            caching = self.enable_caching
             for block in ordered_blocks:
-                if self._foreign_blocks:  # vLLM 0.33: a block of another pool
+                if foreign:  # vLLM 0.33: a block of another pool
                     owner = getattr(block, "pool", None)
                     if owner is not None and owner is not self:
                         others.setdefault(owner, []).append(block)
                         continue
                 block.ref_cnt -= 1
                 if block.ref_cnt == 0 and not block.is_null:
-                    # No prefix will hit it (no hash, or caching off): kvasync's at once.
-                    if block.block_hash is None or not self.enable_caching:
+                    # No prefix will hit it (caching off, or no hash): kvasync's at once.
+                    if not caching or block.block_hash is None:
                         released.append(block)
                     else:
                         cached.append(block)
             # vLLM's order: the first freed is the first evicted, so cached blocks go to the tail.
-            self.cached_free_queue.append_n(cached)
+            if cached:
+                self.cached_free_queue.append_n(cached)
             # Idle (only the blocks freed now are held): the reserve policy decides what stays
             # mapped. The pocket goes back first, so that the blocks freed now come out first.
             if self._pocket and self._num_running() == len(released):
@@ -659,6 +728,14 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self.kv_event_queue.append(sys.modules[base.__module__].AllBlocksCleared())
             return True
 
+        def take_events(self) -> list[Any]:
+            # vLLM's scheduler takes the pool's events once a step (update_from_output): the
+            # step's end, after which a count of no block reads the room afresh (Note [Count
+            # only what is mapped]).
+            self._room_this_step = None
+            events: list[Any] = base.take_events(self)
+            return events
+
         def get_usage(self) -> float:
             # The share of what the budget allows that requests and the prefix cache use: read
             # every step (vLLM's stats), so from the pool's count, not a stats snapshot.
@@ -672,6 +749,11 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def kvasync_allocator(self) -> Any:
             """The engine's ``kvasync.SyncAllocator``."""
             return self._kv
+
+        def forget_room(self) -> None:
+            """The next count of no block reads the allocator's room afresh (Note [Count only
+            what is mapped]): at a step's end, and in a forked child."""
+            self._room_this_step = None
 
         @property
         def num_pocket_blocks(self) -> int:
@@ -702,16 +784,16 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _mapped_free(self) -> int:
             """The allocator's blocks an ``alloc_nowait`` gets now: mapped, free, not draining
             (over its limit, ``available_blocks`` is just those)."""
-            kv = self._kv
-            return max(0, min(kv.stats().free_blocks, kv.available_blocks()))
+            return max(0, min(self._kv.stats().free_blocks, self._available_blocks()))
 
         def _mapped_now(self, n: int) -> list[int]:
             """Up to ``n`` of the allocator's mapped free blocks, without waiting."""
             k = min(n, self._mapped_free())
             if k <= 0:
                 return []
+            self._room_this_step = None  # it allocates
             try:
-                ids = list(self._kv.alloc_nowait(k))
+                ids = list(self._alloc_nowait(k))
             except (WouldBlock, OutOfBlocks):  # taken back meanwhile (a trim, a drain)
                 return []
             except AllocatorClosed:
@@ -725,12 +807,12 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
         def _promise(self, demand: Demand, queued: int) -> int:
             """The free count for ``demand`` (Note [Count only what is mapped])."""
             n = demand.blocks
-            kv = self._kv
-            self._give_back_pocket(n)
+            if len(self._pocket) > n:
+                self._give_back_pocket(n)
             short = n - len(self._pocket)
             if short > 0:
                 try:  # the hot path: mapped free blocks, taken in one call
-                    taken = kv.alloc_nowait(short)
+                    taken = self._alloc_nowait(short)
                     self._taken += len(taken)
                     self._pocket += taken
                 except (WouldBlock, OutOfBlocks):
@@ -749,8 +831,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._may_evict = 0
                 if self.stalled is not None:
                     self._served(demand)
-                return len(self._pocket) + queued + kv.available_blocks()
-            room = kv.available_blocks()  # on their way in, and mappable within the budget
+                return len(self._pocket) + queued + self._room_now()
+            room = self._room_now()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
             if self._may_evict < short:
@@ -763,9 +845,41 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self.num_lag_evictions += short - lacking
             return len(self._pocket) + self._may_evict
 
-        def _from_pocket(self, n: int) -> list[int]:
+        def _room_now(self) -> int:
+            """The allocator's ``available_blocks``, read now: the step's later counts of no
+            block reuse it while the pool neither allocates nor frees (Note [Count only what is
+            mapped])."""
+            room = self._available_blocks()
+            self._room_this_step = room if room > 0 else None
+            return room
+
+        def _from_other_places(self, n: int) -> list[int]:
+            """The ids of ``n`` blocks for a call the count did not promise whole: the pocket's,
+            then mapped free blocks, then for a call vLLM did not count the allocator's (waiting
+            for their mapping); short of ``n`` by the cached blocks the caller evicts."""
             pocket = self._pocket
             ids, self._pocket = pocket[:n], pocket[n:]
+            pocketed = len(ids)
+            queued = int(self.cached_free_queue.num_free_blocks)
+            # The allocator's part can fail (a call vLLM did not count, past what the limit
+            # allows), so it comes before any block is handed out or prefix dropped: as in
+            # vLLM's pool, a call that fails takes nothing.
+            try:
+                if pocketed < n:
+                    ids += self._mapped_now(n - pocketed)
+                rest = n - len(ids)
+                evict = min(rest, self._may_evict, queued)
+                if rest > evict:
+                    fresh = self._take(rest - evict, queued - evict)
+                    self._taken += len(fresh)
+                    ids += fresh
+            except BaseException as error:
+                self._pocket[:0] = ids[:pocketed]  # the promise stands
+                self._give_back(ids[pocketed:])
+                if isinstance(error, AllocatorClosed):
+                    raise self._closed(error) from error
+                raise
+            self._may_evict -= evict
             return ids
 
         def _give_back_pocket(self, keep: int) -> None:
@@ -778,8 +892,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             to wait for); last first, so that they come out again in the order they were taken
             (Note [Who owns a free block])."""
             if ids:
+                self._room_this_step = None  # it frees
                 try:
-                    self._kv.free(ids[::-1])
+                    self._free(ids[::-1])
                 except AllocatorClosed as error:
                     raise self._closed(error) from error
                 self._taken -= len(ids)
@@ -802,12 +917,13 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             what the budget lacks]).
             """
             kv = self._kv
+            self._room_this_step = None  # it allocates
             try:
-                return list(kv.alloc_nowait(n))
+                return list(self._alloc_nowait(n))
             except WouldBlock:
                 pass  # the miss started mapping what the reserve lacks
             lacking = n - queued
-            wanted = max(lacking, min(n, kv.available_blocks()))
+            wanted = max(lacking, min(n, self._available_blocks()))
             if wanted <= 0:
                 return []
             deadline = time.monotonic() + _MAP_WAIT
@@ -826,14 +942,19 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """Gives vLLM's ``blocks`` back to the allocator (after the worker's stream)."""
             if not blocks:
                 return
-            self._notify_reused(blocks)
+            self._room_this_step = None  # it frees
+            if self._watched and self._reuse_watchers:
+                self._notify_reuse(blocks)  # _notify_reused, inline: every free comes here
             after = self._fence() if self._fence is not None else None
             # Last first: the first of ``blocks`` is handed out first (Note [Who owns a free
-            # block]).
-            # A closed allocator and its pages are gone (Note [When the allocator fails]): vLLM's
-            # shutdown ends its requests after the stop, and their frees give back nothing.
-            with contextlib.suppress(AllocatorClosed):
-                self._kv.free([b.block_id for b in reversed(blocks)], after=after)
+            # block]). Not contextlib.suppress: its three Python calls on every free.
+            try:  # noqa: SIM105
+                self._free([b.block_id for b in reversed(blocks)], after=after)
+            except AllocatorClosed:
+                # A closed allocator and its pages are gone (Note [When the allocator fails]):
+                # vLLM's shutdown ends its requests after the stop, and their frees give back
+                # nothing.
+                pass
             self._taken -= len(blocks)
 
         def _notify_reused(self, blocks: list[Any]) -> None:
@@ -848,6 +969,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             draining pages."""
             queue = self.cached_free_queue
             keep = self._keep_cached
+            if not self._pocket and not queue.num_free_blocks:
+                return  # none to give back (caching off: every free)
             try:
                 drain = self._drain()
             except AllocatorClosed:  # gone with its pages: vLLM's shutdown frees after the stop

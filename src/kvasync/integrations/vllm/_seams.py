@@ -391,6 +391,26 @@ SEAMS: tuple[Seam, ...] = (
     _method("pool-reset-prefix-cache", "BlockPool.reset_prefix_cache", ("self",), "overridden"),
     _method("pool-get-usage", "BlockPool.get_usage", ("self",), "overridden"),
     _method(
+        "pool-take-events",
+        "BlockPool.take_events",
+        ("self",),
+        "overridden: the step's end, after which the count reads the allocator's room afresh",
+    ),
+    Seam(
+        "manager-takes-pool-events",
+        "vllm.v1.core.kv_cache_manager",
+        "KVCacheManager.take_events",
+        "takes the pool's events",
+        (Shape("all", RELEASES[0], _LAST, ("self",), reads=("block_pool", "take_events")),),
+    ),
+    Seam(
+        "scheduler-takes-events",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.update_from_output",
+        "takes the KV cache manager's events once a step",
+        (Shape("all", RELEASES[0], _LAST, reads=("kv_cache_manager", "take_events")),),
+    ),
+    _method(
         "pool-evict-blocks", "BlockPool.evict_blocks", ("self", "block_ids"), "overridden, calls it"
     ),
     _method("pool-maybe-evict", "BlockPool._maybe_evict_cached_block", ("self", "block"), "called"),
