@@ -440,12 +440,11 @@ class Bench:
 
     # -- two engines on one budget ---------------------------------------------------------------
 
-    def mode_two(self) -> None:
+    def burst_plan(self) -> list[list[dict[str, Any]]]:
+        """Two engines' arrivals: ``--bursts`` bursts of ``--burst-requests`` requests of 1,536 +
+        ``--output-len`` tokens, ``--period-s`` apart, alternating between the engines."""
         args = self.args
-        folder = self.work / "two"
-        budget = int(args.budget_gib * GIB)
-        half = budget // 2
-        plan = alternating_trace(
+        return alternating_trace(
             engines=2,
             bursts=args.bursts,
             period_s=args.period_s,
@@ -454,6 +453,13 @@ class Bench:
             prompt_len=1536,
             output_len=args.output_len,
         )
+
+    def mode_two(self) -> None:
+        args = self.args
+        folder = self.work / "two"
+        budget = int(args.budget_gib * GIB)
+        half = budget // 2
+        plan = self.burst_plan()
         record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
         self.results["two"] = record
         for variant in args.two_variants:
@@ -578,15 +584,7 @@ class Bench:
         budget = int(args.budget_gib * GIB)
         half = budget // 2
         write_model_config(self.model_dir, args.model)
-        plan = alternating_trace(
-            engines=2,
-            bursts=args.bursts,
-            period_s=args.period_s,
-            requests=args.burst_requests,
-            window_s=1.0,
-            prompt_len=1536,
-            output_len=args.output_len,
-        )
+        plan = self.burst_plan()
         end = plan_end(plan)
         record: dict[str, Any] = {"budget_gib": args.budget_gib, "slo_s": args.slo_s}
         self.results["mixed"] = record
