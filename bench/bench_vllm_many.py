@@ -59,8 +59,8 @@ Device calls (after the two calls that copy vLLM's c1 and c2, ../shared/vllm-on-
 README.md; carry ``["build/vllm-device/c3"]``; a device command may run 10 minutes, so two;
 ``--budget-s`` is what is left of about 9 minutes after the set-up and the build)::
 
-    bash build/vllm-device/c3/setup.sh && CC=/usr/bin/gcc CXX=/usr/bin/g++ pip install -q \
-      --no-build-isolation --no-deps -e . && PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/vsite \
+    bash build/vllm-device/c3/setup.sh && CC=/usr/bin/gcc CXX=/usr/bin/g++ python3 -m pip \
+      install -q --no-build-isolation --no-deps -e . && PYTHONUNBUFFERED=1 PYTHONPATH=$HOME/vsite \
       VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/bench_vllm_many.py --cases memory4 \
       --budget-s 450 --out $OUT/m4
     (the same set-up) python3 bench/bench_vllm_many.py --cases memory8 compute4 \

@@ -344,6 +344,11 @@ def register() -> None:
         make_block_pool_class(pool.value, functools.partial(find_engine, settings=settings))
     )
     count.replace(counting_demand(count.value))
+    if settings.share is not None:  # Note [The engine's demand in a share]
+        from ._demand import reporting_demand
+
+        schedule = found["scheduler-schedule"]
+        schedule.replace(reporting_demand(schedule.value))
     if engine:
         _patch_worker(settings, found)
     _registered = True

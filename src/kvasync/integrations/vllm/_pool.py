@@ -498,6 +498,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             "_may_evict",
             "_pocket",
             "_room_this_step",
+            "_set_demand",
             "_stall_logged",
             "_taken",
             "_view",
@@ -556,6 +557,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             self._alloc_nowait: Callable[[int], list[int]] = allocator.alloc_nowait
             self._free: Callable[..., None] = allocator.free
             self._drain = allocator.drain_from
+            self._set_demand: Callable[[int], None] = allocator.set_demand
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
             self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
@@ -754,6 +756,18 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """The next count of no block reads the allocator's room afresh (Note [Count only
             what is mapped]): at a step's end, and in a forked child."""
             self._room_this_step = None
+
+        def report_demand(self, waiting_blocks: int) -> None:
+            """Tells the share the blocks this engine wants now: those its requests hold, the
+            pocket and the null block, and ``waiting_blocks`` (what its waiting requests that
+            fit the batch need). Once a step, in a share (Note [The engine's demand in a share]
+            in _demand). An allocator error is a count's to report, never the engine's end."""
+            try:
+                self._set_demand(1 + self._num_running() + len(self._pocket) + waiting_blocks)
+            except AllocatorClosed:
+                pass  # the next count finds it (Note [When the allocator fails])
+            except KVAsyncError as error:
+                self._allocator_failed(error)
 
         @property
         def num_pocket_blocks(self) -> int:

@@ -223,6 +223,11 @@ class Found:
 # -- probes: vLLM's own objects, built small at start ----------------------------------------
 
 
+def _probe_num_tokens(request_class: Any) -> str | None:
+    found = inspect.getattr_static(request_class, "num_tokens", None)
+    return None if isinstance(found, property) else f"Request.num_tokens is {found!r}, no property"
+
+
 def _probe_block(block_class: Any, *, pool_field: bool) -> str | None:
     block = block_class(block_id=3)
     wanted = ["block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block"]
@@ -409,6 +414,45 @@ SEAMS: tuple[Seam, ...] = (
         "Scheduler.update_from_output",
         "takes the KV cache manager's events once a step",
         (Shape("all", RELEASES[0], _LAST, reads=("kv_cache_manager", "take_events")),),
+    ),
+    Seam(
+        "scheduler-schedule",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler.schedule",
+        "wrapped in a share: after each step the engine reports its demand (its pool's held "
+        "blocks and its waiting requests' need)",
+        (
+            Shape(
+                "all",
+                RELEASES[0],
+                _LAST,
+                ("self", "throttle_prefills"),
+                reads=("waiting", "running", "max_num_running_reqs", "kv_cache_manager"),
+            ),
+        ),
+        patched=True,
+    ),
+    Seam(
+        "scheduler-block-size",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        "its block_size sizes the waiting requests' need in blocks",
+        (Shape("all", RELEASES[0], _LAST, reads=("block_size",)),),
+    ),
+    Seam(
+        "request-tokens",
+        "vllm.v1.request",
+        "Request",
+        "num_tokens less num_computed_tokens: a waiting request's need",
+        (
+            Shape(
+                "all",
+                RELEASES[0],
+                _LAST,
+                reads=("num_computed_tokens",),
+                probe=_probe_num_tokens,
+            ),
+        ),
     ),
     _method(
         "pool-evict-blocks", "BlockPool.evict_blocks", ("self", "block_ids"), "overridden, calls it"
