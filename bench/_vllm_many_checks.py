@@ -291,16 +291,24 @@ def variant_summary(
     return summary
 
 
-def memory_bound(static: dict[str, Any], shared: dict[str, Any] | None) -> bool:
+def memory_bound(
+    static: dict[str, Any], shared: dict[str, Any] | None, slo_ttft_s: float | None = None
+) -> bool:
     """The memory-bound regime check: under static 1/N the queue waited on memory more than on
-    compute, and (when the shared run is there) it did not wait on compute for most of its
-    queue."""
+    compute, and (when the shared run is there) compute did not bind it: its queue did not wait
+    on compute for most of its time, or its requests waited on compute for less than a quarter
+    of the TTFT SLO each on average (a shared run that serves every request has almost no queue,
+    and what little it has is the step's token budget: no sign that compute binds)."""
     if static["queue_memory_s"] <= static["queue_compute_s"]:
         return False
     if shared is None:
         return True
-    total = float(shared["queue_memory_s"] + shared["queue_compute_s"])
-    return total == 0 or float(shared["queue_compute_s"]) <= total / 2
+    compute = float(shared["queue_compute_s"])
+    total = float(shared["queue_memory_s"]) + compute
+    if total == 0 or compute <= total / 2:
+        return True
+    requests = int(shared.get("requests") or 0)
+    return slo_ttft_s is not None and requests > 0 and compute / requests < slo_ttft_s / 4
 
 
 def compute_bound(static: dict[str, Any], shared: dict[str, Any]) -> bool:

@@ -191,7 +191,7 @@ def print_checks(case: dict[str, Any], found: dict[str, dict[str, Any]]) -> None
     static, shared = found.get("stock-1N"), found.get("shared")
     if static is not None:
         if spec["kind"] == "memory":
-            verdict = "yes" if checks.memory_bound(static, shared) else "NO"
+            verdict = "yes" if checks.memory_bound(static, shared, spec["slo_ttft_s"]) else "NO"
             print(f"\nregime check, memory-bound: {verdict}", end="")
         elif shared is not None:
             verdict = "yes" if checks.compute_bound(static, shared) else "NO"
@@ -233,7 +233,11 @@ def goal_rows(
             regime = (
                 case in found
                 and "stock-1N" in found[case]
-                and checks.memory_bound(found[case]["stock-1N"], found[case].get("shared"))
+                and checks.memory_bound(
+                    found[case]["stock-1N"],
+                    found[case].get("shared"),
+                    cases[case].get("spec", {}).get("slo_ttft_s"),
+                )
             )
             rows.append(
                 [

@@ -185,6 +185,12 @@ def test_the_regime_checks() -> None:
     assert checks.memory_bound(static, shared) and checks.memory_bound(static, None)
     assert not checks.memory_bound({"queue_memory_s": 5.0, "queue_compute_s": 5.0}, shared)
     assert not checks.memory_bound(static, {"queue_memory_s": 1.0, "queue_compute_s": 4.0})
+    # A shared run that served everything: a little queue, most of it the step's token budget;
+    # 0.13 s of compute wait a request against a 2 s SLO is no sign that compute binds.
+    served = {"queue_memory_s": 4.0, "queue_compute_s": 39.0, "requests": 291}
+    assert checks.memory_bound(static, served, slo_ttft_s=2.0)
+    assert not checks.memory_bound(static, served)  # no SLO given: the queue's shares alone
+    assert not checks.memory_bound(static, {**served, "queue_compute_s": 600.0}, slo_ttft_s=2.0)
     computing = {"queue_memory_s": 1.0, "queue_compute_s": 50.0}
     assert checks.compute_bound(computing, computing)
     assert not checks.compute_bound(computing, static)
