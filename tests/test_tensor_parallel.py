@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from kvasync._group import (
 HERE = Path(__file__).resolve().parent
 RANK_WORKER = HERE / "tp_rank_worker.py"
 SCHEDULER_WORKER = HERE / "tp_scheduler_worker.py"
+ALLOCATOR_WORKER = HERE / "tp_allocator_worker.py"
 NUM_RANGES = 2
 NUM_PAGES = 8
 PAGE_SIZE = 64 << 10
@@ -572,6 +574,76 @@ async def test_tensor_parallel_allocator_alloc_raises_map_error_naming_a_killed_
         with pytest.raises(kvasync.MapError, match=rf"rank 1 \(pid {victim}\) died"):
             await asyncio.wait_for(alloc, 10.0)
     assert ranks[0].ask("status")["mapped"] == []
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])  # two close paths (_loops)
+@pytest.mark.anyio
+async def test_tensor_parallel_allocator_close_closes_its_group_and_removes_its_file(
+    anyio_backend: str, name: str, processes: list[Process]
+) -> None:
+    layout = kvasync.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    config = kvasync.Config(
+        backend="host",
+        max_blocks=1024,
+        reserve_pages=(0, 0),
+        tensor_parallel=TensorParallel(name, 2, ready_timeout=EVENT_TIMEOUT),
+    )
+    ranks = [start_rank(name, r, "--layout=2,2,64,16", "--max-blocks=1024") for r in range(2)]
+    processes += ranks
+    async with kvasync.open_allocator(layout, config) as kv:
+        for rank in ranks:
+            assert rank.read()["event"] == "joined"
+        kv.free(await kv.alloc(600, timeout=EVENT_TIMEOUT))
+
+    # `kv` is still referenced (and an allocator is freed only by the cycle collector): the close
+    # itself must end the group, not the release of its backend, which may come at exit or never.
+    assert not os.path.exists(group_path(name))
+    for rank in ranks:
+        left = rank.ask("wait_left 10")
+        assert left["ok"] and left["reason"] == "the scheduler closed the group", left
+        assert left["mapped"] == []
+    # So the name is free again in this process: not "in use by the live scheduler".
+    again = dataclasses.replace(config, tensor_parallel=TensorParallel(name, 2))  # no ranks
+    async with kvasync.open_allocator(layout, again):
+        assert os.path.exists(group_path(name))
+    assert not os.path.exists(group_path(name))
+
+
+def test_tensor_parallel_allocator_never_closed_has_its_group_closed_at_exit(
+    name: str, processes: list[Process]
+) -> None:
+    ranks = [
+        start_rank(name, r, "--layout=2,2,64,16", "--max-blocks=1024", "--join-timeout=60")
+        for r in range(2)
+    ]
+    processes += ranks
+    scheduler = Process(
+        [
+            str(ALLOCATOR_WORKER),
+            f"--group={name}",
+            "--ranks=2",
+            "--layout=2,2,64,16",
+            "--max-blocks=1024",
+            "--blocks=600",
+        ]
+    )
+    processes.append(scheduler)
+    for rank in ranks:
+        assert rank.read()["event"] == "joined"
+    ready = scheduler.read()
+    assert ready["event"] == "ready"
+    for rank in ranks:
+        assert rank.ask(f"write_blocks {json.dumps(ready['blocks'])}")["ok"]  # mapped there
+
+    scheduler.stop()  # end of input: it exits normally, its allocator never closed
+
+    assert scheduler.popen.returncode == 0
+    # Closed by the exit hook ("closed", not "died": the file then stays until the name's reuse).
+    for rank in ranks:
+        left = rank.ask("wait_left 10")
+        assert left["ok"] and left["reason"] == "the scheduler closed the group", left
+        assert left["mapped"] == []
+    assert not os.path.exists(group_path(name))
 
 
 def test_tensor_parallel_corrupt_group_file_is_refused_by_a_rank_and_replaced_by_a_scheduler(

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -68,6 +69,7 @@ from . import _core, _log, _loops, _share_names, _validate
 from ._backends import buffer_views, create_backend, make_fence, page_size_for
 from ._config import Config
 from ._errors import AllocatorClosed, AllocTimeout, OutOfBlocks, WouldBlock
+from ._group import scheduler_group
 from ._layout import KVLayout
 from ._sizes import format_bytes
 from ._stats import AllocatorStats
@@ -185,6 +187,7 @@ class Allocator:
         self._page_bytes = page_size * layout.num_ranges
         self._num_pages = num_pages
         self._backend = create_backend(layout, config, num_pages, page_size)
+        self._group = scheduler_group(self._backend)  # Config.tensor_parallel's; closed with us
         low, high = config.reserve_pages
         self._pool = _core.PagePool(
             self._backend,
@@ -744,6 +747,8 @@ class Allocator:
         The memory goes back, but views taken before (``layer()``) stay valid until dropped:
         their addresses are left on scratch memory, never unmapped under them (Note [Views
         outlive close]).
+        With ``Config.tensor_parallel`` every rank unmaps too, then the group is closed: its ranks
+        leave and its file is removed (``TensorParallel``).
         The wait runs on a thread of its own, so a default executor the application keeps busy
         does not delay it. Idempotent. In a forked child it returns at once and touches nothing:
         the pages and the share's ledger entry are the parent's (Note [Fork]).
@@ -800,12 +805,12 @@ class Allocator:
         # to the allocator, its torch views would be freed on this thread, and one freed while the
         # interpreter finalizes aborts the process (torch takes the GIL in C++, and CPython then
         # ends the thread by a forced unwind through code that may not unwind).
-        pool = self._pool
+        pool, group = self._pool, self._group
 
         def close_pool() -> None:
             error: BaseException | None = None
             try:
-                pool.close(wait)
+                _close_pool_and_group(pool, group, wait)
             except BaseException as exc:  # delivered to the awaiting close, not lost here
                 error = exc
             # RuntimeError: the loop is closed, nobody waits for this close any more.
@@ -1058,6 +1063,25 @@ class Allocator:
         return self._kernel_table
 
 
+def _close_pool_and_group(
+    pool: _core.PagePool, group: _core.SchedulerGroup | None, wait: float
+) -> bool:
+    """Closes the pool (``PagePool.close``), then the tensor-parallel group it maps through.
+
+    The group is closed here, not when the backend is released: the allocator (freed only by the
+    cycle collector) and views taken from it may live until exit, and so did the group, holding
+    its ranks and its name, and at exit leaving its file in /dev/shm. After the pool: its unmaps
+    go through the group. Closed even when the pool's mapper was abandoned in a backend call:
+    the ranks then unmap everything and leave, as when the scheduler dies, and the map the
+    mapper is in fails (Note [Tensor parallel group]).
+    """
+    try:
+        return pool.close(wait)
+    finally:
+        if group is not None:
+            group.close()
+
+
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():
         return
@@ -1083,8 +1107,10 @@ class _DriverPort:
         self.stall_period: float = allocator._stall_period
         self.slots: _loops.SlotTable = allocator._slots
         self.loop_thread: int = allocator._loop_thread
-        # The pool's bound method: a worker thread running it holds the pool, never the allocator.
-        self.close_pool: Callable[[float], object] = allocator._pool.close
+        # A worker thread running it holds the pool and the group, never the allocator.
+        self.close_pool: Callable[[float], object] = functools.partial(
+            _close_pool_and_group, allocator._pool, allocator._group
+        )
 
     def check_open(self) -> None:
         self._kv._check_open()

@@ -38,6 +38,7 @@ __all__ = [
     "group_geometry",
     "group_path",
     "open_group",
+    "scheduler_group",
 ]
 
 # The directory of the groups' files: shared memory, like the share ledgers'.
@@ -84,10 +85,15 @@ def _check_timeout(what: str, seconds: float) -> float:
     return float(seconds)
 
 
-def _close_at_exit(group: weakref.ref[_core.SchedulerGroup]) -> None:
-    alive = group()
+def _close_at_exit(backend: weakref.ref[_core.GroupBackend]) -> None:
+    alive = backend()
     if alive is not None:
-        alive.close()
+        alive.group.close()
+
+
+def scheduler_group(backend: _core.Backend) -> _core.SchedulerGroup | None:
+    """The group ``backend`` maps through (``TensorParallel.open_scheduler``'s), or None."""
+    return backend.group if isinstance(backend, _core.GroupBackend) else None
 
 
 class TensorParallelGroup:
@@ -134,8 +140,11 @@ class TensorParallelGroup:
         )
         # A group still open at exit (its pool's backend never released) is closed then: its
         # ranks leave at once and its file is removed. Held weakly: the exit hook must not keep
-        # the group open until exit.
-        atexit.register(_close_at_exit, weakref.ref(self._group))
+        # the group open until exit. Through the backend, which whoever uses the group holds
+        # (this object, or the allocator that open_scheduler gave it to): the SchedulerGroup's
+        # Python object goes with this one, and a hook on it found nothing at exit, leaving the
+        # file of every allocator that was not closed.
+        atexit.register(_close_at_exit, weakref.ref(self._backend))
 
     @property
     def name(self) -> str:
@@ -241,8 +250,9 @@ class TensorParallel:
 
     Its backend (the one ``Config.backend`` picks, in this process) becomes the group's local
     backend; every page it maps is mapped by each rank's ``RankMapper`` too, and an alloc
-    completes only when all of them have. The group's file is removed when the allocator's
-    backend is released; ``Allocator.close()`` unmaps every page on every rank first.
+    completes only when all of them have. ``Allocator.close()`` unmaps every page on every
+    rank, then closes the group: the ranks leave and its file is removed. An allocator never
+    closed has its group closed at exit (or when its backend is released, if that comes first).
 
     Args:
         group: the group's name (``group_path``), which the ranks join.
