@@ -51,10 +51,14 @@ a first lifetime at the hot batch (x the contention) and a first hot rate, the h
 That product of factors measured apart overstated the lifetime on the H200 (16.2 s against about
 10.9 s in the run), so it is measured again where the runs will be: the hot engine replays a
 stream at the first rate while the cold engines replay theirs beside it, and its requests' KV
-lifetime (scaled to the hot batch by the decode steps) gives the hot rate. The compute
-check: the hot engine's step in a run, predicted as the decode step at its batch x the stream's
-prefill factor x the contention, must stay within ``--compute-cap`` of the TPOT SLO (by default
-the step target, 80%, above which every engine holds admission: EngineConfig.step_target);
+lifetime (scaled to the hot batch by the decode steps) gives the hot rate. The hot engine's
+streams need at least 10 requests each (a mean lifetime within about 8%): a --calibration-s too
+short for that at the rate calibrated stops with an argparse error naming the seconds needed. A
+cold engine's stream with no request in the window (a low rate over a short one) replays
+nothing, and the output says the lifetime was measured without that engine's contention. The
+compute check: the hot engine's step in a run, predicted as the decode step at its batch x the
+stream's prefill factor x the contention, must stay within ``--compute-cap`` of the TPOT SLO (by
+default the step target, 80%, above which every engine holds admission: EngineConfig.step_target);
 where it does not, the hot batch is lowered until it does and the output says so ("capped by
 compute": these shapes cannot make memory bind). After the runs, the regime check says whether
 memory bound: static 1/N's busiest engine queued for memory (waiting with its batch not full
@@ -163,10 +167,11 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from _colocate_many.calibration import calibrate
+from _colocate_many.calibration import MIN_STREAM_REQUESTS, CalibrationTooShort, calibrate
 from _colocate_many.harness import Harness
 from _colocate_many.report import (
     compute_regime_text,
@@ -180,6 +185,17 @@ from _colocate_many.shapes import COMPUTE_SHAPES, MIB, REGIMES, geometry
 from _colocate_many.traces import compute_bound_traces, hot_schedule, memory_bound_traces
 from _colocate_many.worker import run_worker
 from _tables import markdown
+
+
+def calibration_seconds(text: str) -> float:
+    """``--calibration-s``: a stream of no time (or none at all) has no request to measure."""
+    seconds = float(text)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0 (a stream long enough for {MIN_STREAM_REQUESTS} "
+            f"requests at the hot rate calibrated; the default is 8), got {text}"
+        )
+    return seconds
 
 
 def main() -> None:
@@ -201,7 +217,11 @@ def main() -> None:
     parser.add_argument("--budget-mib", type=int, default=None, help="KV budget, all engines")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--calibration-s", type=float, default=8.0, help="seconds of the calibration stream"
+        "--calibration-s",
+        type=calibration_seconds,
+        default=8.0,
+        help=f"seconds of the calibration streams (> 0; long enough for {MIN_STREAM_REQUESTS} "
+        "requests at the hot rate calibrated, or the calibration stops and says how long)",
     )
     parser.add_argument(
         "--compute-cap",
@@ -274,7 +294,10 @@ def main() -> None:
     )
     try:
         # 1. Calibration, before any trace exists (the docstring's arithmetic, measured).
-        calibrated = calibrate(harness, args, regime, geo, budget, emit, summary_json)
+        try:
+            calibrated = calibrate(harness, args, regime, geo, budget, emit, summary_json)
+        except CalibrationTooShort as error:
+            parser.error(f"argument --calibration-s: {error}")
         shape, capacity, step_full = (
             calibrated.shape,
             calibrated.capacity,

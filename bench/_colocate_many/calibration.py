@@ -24,6 +24,44 @@ from _colocate_many.traces import (
     memory_bound_traces,
 )
 
+# A calibration stream's mean KV lifetime is over its requests, whose outputs vary (uniform over
+# the preset's range: a request's lifetime is within about 25% of the mean, one standard
+# deviation), so the mean of 10 is within about 8%. A hot stream of fewer is no measurement.
+MIN_STREAM_REQUESTS = 10
+
+
+class CalibrationTooShort(ValueError):
+    """``--calibration-s`` gives a hot calibration stream too few requests to measure a KV
+    lifetime on (the message names the minimum at the rate measured); the parent turns it into
+    an argparse error."""
+
+
+def steady_stream(regime: Regime, seconds: float, rate: float, seed: int) -> list[TraceRequest]:
+    """Poisson arrivals at ``rate`` req/s over ``seconds`` on one engine, no bursts."""
+    steady = dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9)
+    return memory_bound_traces(steady, 1, seconds, rate, seed)[0]
+
+
+def hot_stream(
+    regime: Regime, seconds: float, rate: float, seed: int, what: str
+) -> list[TraceRequest]:
+    """``steady_stream`` for the engine whose KV lifetime a calibration measures.
+
+    Raises:
+        CalibrationTooShort: it holds fewer than ``MIN_STREAM_REQUESTS`` requests.
+    """
+    stream = steady_stream(regime, seconds, rate, seed)
+    if len(stream) < MIN_STREAM_REQUESTS:
+        # Twice the time that holds that many on average: a Poisson stream may hold fewer.
+        need = math.ceil(20 * MIN_STREAM_REQUESTS / rate) / 10
+        raise CalibrationTooShort(
+            f"{seconds:g} s is too short: {what} at the {rate:.2f} req/s calibrated has "
+            f"{len(stream)} request{'' if len(stream) == 1 else 's'} in {seconds:g} s, and a KV "
+            f"lifetime is measured on at least {MIN_STREAM_REQUESTS}; use --calibration-s "
+            f"{need:g} or more at this rate (the default is 8)"
+        )
+    return stream
+
 
 def compute_design(
     emit: Callable[[str], None],
@@ -187,13 +225,9 @@ def calibrate(
         # H200 gave 1.9x at this shape), replayed; the KV a request holds is from its admission
         # to its end (its wait in the queue holds none).
         stream_rate = little / 1.5
-        stream = memory_bound_traces(
-            dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9),
-            1,
-            args.calibration_s,
-            stream_rate,
-            args.seed + 2000,
-        )[0]
+        stream = hot_stream(
+            regime, args.calibration_s, stream_rate, args.seed + 2000, "the stream on one engine"
+        )
         measured = harness.calibrate(regime, [], stream)["stream"]
         stream_batch = max(1, int(measured["most_running"]))
         # Steps with prefills in them against decode steps alone, at the stream's batch.
@@ -227,15 +261,34 @@ def calibrate(
         # So the lifetime is measured where the runs will be: the hot engine replays a stream
         # at that first rate while the N - 1 cold engines replay theirs beside it (cold_weight
         # of it); its KV lifetime, scaled to the batch as above, gives the hot rate.
-        def steady_stream(rate: float, seed: int) -> list[TraceRequest]:
-            steady = dataclasses.replace(regime, cold_weight=1.0, bursts_per_min=1e-9)
-            return memory_bound_traces(steady, 1, args.calibration_s, rate, seed)[0]
-
-        coloc_streams = [steady_stream(first_rate, args.seed + 3000)] + [
-            steady_stream(regime.cold_weight * first_rate, args.seed + 3001 + i)
-            for i in range(n_max - 1)
+        cold_rate = regime.cold_weight * first_rate
+        coloc_streams = [
+            hot_stream(
+                regime,
+                args.calibration_s,
+                first_rate,
+                args.seed + 3000,
+                "the hot co-located stream",
+            ),
+            *(
+                steady_stream(regime, args.calibration_s, cold_rate, args.seed + 3001 + i)
+                for i in range(n_max - 1)
+            ),
         ]
         coloc = harness.calibrate_together(regime, [[]] * n_max, coloc_streams)[0]["stream"]
+        # A cold stream with no request in the window (a low rate over a short calibration)
+        # replays nothing: that engine adds no contention to the hot one's lifetime, and the
+        # output says so, rather than invent requests (or a prior) for it.
+        idle = [i for i, cold in enumerate(coloc_streams[1:], 1) if not cold]
+        without = (
+            f" Cold engine{'s' if len(idle) > 1 else ''} "
+            f"{', '.join(f'e{i}' for i in idle)} got no request in the {args.calibration_s:g} s "
+            f"({cold_rate * args.calibration_s:.2f} expected at {cold_rate:.2f} req/s), so "
+            f"{'they' if len(idle) > 1 else 'it'} added no contention to this lifetime (a "
+            f"longer --calibration-s gives them requests)."
+            if idle
+            else ""
+        )
         coloc_batch = max(1, int(coloc["most_running"]))
         mean_life = float(coloc["mean_kv_life_s"]) * step_alone(batch) / step_alone(coloc_batch)
         hot_rate = batch / mean_life
@@ -261,7 +314,7 @@ def calibrate(
             f"({regime.hot_fill * budget / MIB:.0f} MiB, {hot_batch} requests), "
             f"{regime.hot_fill * n_max:.1f}x a 1/{n_max} partition. Little's law with the "
             f"co-located decode step: {little:.2f} req/s. A stream of {stream_rate:.2f} req/s "
-            f"for {args.calibration_s:.0f} s on one engine alone ran up to {stream_batch} "
+            f"for {args.calibration_s:g} s on one engine alone ran up to {stream_batch} "
             f"requests at once{full}; "
             f"a token took {1e3 * measured['mean_tpot_s']:.1f} ms (x{mixed:.2f} a decode step: "
             f"the prefills), steps {1e3 * measured['steady_step_s']:.1f} ms once steady, "
@@ -270,9 +323,9 @@ def calibrate(
             f"s from decode steps), {first_life:.2f} s co-located at batch {batch} "
             f"(x{contention:.2f}): {first_rate:.2f} req/s. Measured co-located (that rate on "
             f"the hot engine, {regime.cold_weight:.0%} of it on {n_max - 1} cold ones, "
-            f"{args.calibration_s:.0f} s): up to {coloc_batch} requests at once, a token "
+            f"{args.calibration_s:g} s): up to {coloc_batch} requests at once, a token "
             f"{1e3 * coloc['mean_tpot_s']:.1f} ms, KV held {coloc['mean_kv_life_s']:.2f} s, "
-            f"so {mean_life:.2f} s at batch {batch}. So the hot "
+            f"so {mean_life:.2f} s at batch {batch}.{without} So the hot "
             f"rate is {batch} / {mean_life:.2f} s = {hot_rate:.2f} req/s (a working set of "
             f"{working_set / MIB:.0f} MiB); cold engines get {regime.cold_weight:.0%} of it; "
             f"bursts x{regime.burst_factor} for {regime.burst_s} s, "
@@ -318,6 +371,7 @@ def calibrate(
             "first_lifetime_s": first_life,
             "first_rate": first_rate,
             "coloc_stream": coloc,
+            "coloc_cold_requests": [len(cold) for cold in coloc_streams[1:]],
             "lifetime_s": mean_life,
             "hot_rate": hot_rate,
             "paper": paper,

@@ -70,7 +70,6 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
     engines' (the step time co-located). Stream: a trace replayed at its rate on the engine
     alone; its requests' lifetimes and the KV it held once steady (the second half)."""
     from kvasync.serve import Engine
-    from kvasync.serve._report import MemorySampler
 
     engine = await Engine.open(engine_config(spec))
     async with engine:
@@ -104,43 +103,51 @@ async def calibrate(spec: dict[str, Any]) -> dict[str, Any]:
             )
         if spec.get("stream"):
             trace = [TraceRequest(*r) for r in json.loads(Path(spec["stream"]).read_text())]
-            kv = engine.kv
-            start = time.monotonic()
-            log.start, first_step = start, len(log.steps)
-
-            async def one(index: int, request: TraceRequest) -> tuple[float, float, float]:
-                await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
-                prompt = prompt_text(98, 0, index, request.prompt_tokens)
-                record = (await engine.complete(prompt, max_tokens=request.max_tokens)).record
-                assert record is not None and record.first_token is not None
-                tpot = record.tpot or 0.0
-                # KV is held from admission (about a step before the first token) to the end;
-                # the wait in the queue before it holds none.
-                return record.ttft or 0.0, record.finish - record.first_token + tpot, tpot
-
-            with MemorySampler(lambda: kv.stats().used_blocks, SAMPLE_S) as used:
-                used.start = start
-                lives = await asyncio.wait_for(
-                    asyncio.gather(*(one(i, r) for i, r in enumerate(trace))), 300
-                )
-            end = trace[-1].arrival
-            steady = [n for t, n in used.samples if end / 2 <= t <= end]
-            results["stream"] = {
-                "mean_used_blocks": float(np.mean(steady)) if steady else 0.0,
-                "mean_ttft_s": float(np.mean([t for t, _, _ in lives])),
-                "mean_kv_life_s": float(np.mean([k for _, k, _ in lives])),
-                "mean_tpot_s": float(np.mean([p for _, _, p in lives])),
-                "most_running": max((b for _, _, b, _ in log.steps[first_step:]), default=0),
-                "requests": len(trace),
-                # The steps once steady: prefills and decodes mixed, as in the runs.
-                "steady_step_s": float(
-                    np.mean(
-                        [d for t, d, _, _ in log.steps[first_step:] if end / 2 <= t <= end]
-                        or [np.nan]
-                    )
-                ),
-            }
+            results["stream"] = await _stream(engine, log, trace)
         return results
+
+
+async def _stream(engine: Any, log: StepLog, trace: list[TraceRequest]) -> dict[str, Any]:
+    """A trace replayed at its rate on the engine: its requests' lifetimes, the KV it held once
+    steady (the second half), its steps. A trace of no request measures nothing: a cold
+    engine's, at a low rate over a short calibration, may have none (the parent says so)."""
+    from kvasync.serve._report import MemorySampler
+
+    if not trace:
+        return {"requests": 0, "most_running": 0}
+    kv = engine.kv
+    start = time.monotonic()
+    log.start, first_step = start, len(log.steps)
+
+    async def one(index: int, request: TraceRequest) -> tuple[float, float, float]:
+        await asyncio.sleep(max(0.0, start + request.arrival - time.monotonic()))
+        prompt = prompt_text(98, 0, index, request.prompt_tokens)
+        record = (await engine.complete(prompt, max_tokens=request.max_tokens)).record
+        assert record is not None and record.first_token is not None
+        tpot = record.tpot or 0.0
+        # KV is held from admission (about a step before the first token) to the end;
+        # the wait in the queue before it holds none.
+        return record.ttft or 0.0, record.finish - record.first_token + tpot, tpot
+
+    with MemorySampler(lambda: kv.stats().used_blocks, SAMPLE_S) as used:
+        used.start = start
+        lives = await asyncio.wait_for(
+            asyncio.gather(*(one(i, r) for i, r in enumerate(trace))), 300
+        )
+    end = trace[-1].arrival
+    steady = [n for t, n in used.samples if end / 2 <= t <= end]
+    return {
+        "mean_used_blocks": float(np.mean(steady)) if steady else 0.0,
+        "mean_ttft_s": float(np.mean([t for t, _, _ in lives])),
+        "mean_kv_life_s": float(np.mean([k for _, k, _ in lives])),
+        "mean_tpot_s": float(np.mean([p for _, _, p in lives])),
+        "most_running": max((b for _, _, b, _ in log.steps[first_step:]), default=0),
+        "requests": len(trace),
+        # The steps once steady: prefills and decodes mixed, as in the runs.
+        "steady_step_s": float(
+            np.mean([d for t, d, _, _ in log.steps[first_step:] if end / 2 <= t <= end] or [np.nan])
+        ),
+    }
 
 
 async def replay(spec: dict[str, Any]) -> dict[str, Any]:

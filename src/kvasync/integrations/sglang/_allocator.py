@@ -24,9 +24,29 @@ must be what the allocator can hand out:
   with a line here that says why.
 - Every free goes through ``_release_page_ids`` (stock's one funnel) and back to kvasync at once,
   with the scheduler stream as its fence, so freed pages are unmapped as kvasync's reserve policy
-  says and a neighbour in the share can have them.
+  says and a neighbour in the share can have them. Only the pages SGLang holds go back (Note [A
+  free of pages SGLang does not hold]).
 - ``clear()`` (a flush: no request runs and the radix cache was reset) gives back every page
   SGLang held, except page 0.
+
+Note [A free of pages SGLang does not hold]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A free runs on SGLang's scheduler thread, where an exception stops the server. A page freed that
+SGLang does not hold (freed twice, in one call or in two, or never handed out) is a bug in SGLang
+or in code beside it. Stock 0.5.17 checks nothing: the page goes into ``free_pages`` again, counts
+twice in ``available_size()`` (past SGLang's total), and the next two allocs hand it to two
+requests, whose KV then overwrite each other; with ``SGLANG_DEBUG_MEMORY_POOL=1`` its check raises
+``AssertionError`` after the page is listed twice. kvasync's own free refuses such a list whole
+(``ValueError``, nothing freed): raised out of SGLang's free it would stop the server, and the
+pages the same call rightly freed would stay taken. So a free here gives kvasync only the pages
+this allocator handed to SGLang and has not had back (``_held`` less the pages in hand in
+``free_pages``, which SGLang's next alloc takes), each once, as any free (none lost, none leaks);
+the others are ignored: nothing goes to kvasync twice, so no page goes to two requests. Each
+ignored page is counted (``num_ignored_free_pages``) and a warning names them at most once a
+``_LOG_INTERVAL``. In SGLang's debug mode (``SGLANG_DEBUG_MEMORY_POOL=1``: stop at the first),
+the free then raises ``AssertionError``, as stock's check does, with the held pages freed
+already. kvasync cannot refuse what is left; if it did, this record would be wrong (a bug, raised
+as is, as the vLLM plugin raises its own: Note [When the allocator fails] there).
 
 Note [SGLang's idle check]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -58,7 +78,6 @@ like any mapped page. Once a scheduler step (``maintain``, at most every ``_MAIN
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import time
@@ -80,6 +99,8 @@ _MAP_WAIT = 10.0
 # A wait for the mapper longer than this is logged (rate-limited).
 _SLOW_WAIT = 0.1
 _LOG_INTERVAL = 30.0
+# The page ids a warning about pages SGLang does not hold names, at most.
+_PAGES_NAMED = 16
 _MAINTAIN_EVERY = 0.05
 
 _class: type | None = None
@@ -126,6 +147,7 @@ def _build_class() -> type:
             self._held: set[int] = set()  # pages SGLang holds (in requests and the radix cache)
             self._closed_logged = False
             self._last_log = 0.0
+            self._last_ignored_log = float("-inf")
             self._errors = 0
             self._next_maintain = 0.0
             self._stream: Any = None  # the scheduler's forward stream, once a step has seen it
@@ -133,6 +155,7 @@ def _build_class() -> type:
             self.map_wait_seconds = 0.0
             self.num_failed_allocs = 0
             self.num_evicted_for_pressure = 0
+            self.num_ignored_free_pages = 0  # freed while SGLang did not hold them: ignored
             super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
         # -- the count ------------------------------------------------------------------------
@@ -250,21 +273,62 @@ def _build_class() -> type:
             self._give_back(ids)
 
         def _give_back(self, ids: Iterable[int]) -> None:
-            pages = [page for page in ids if page]  # never page 0: the padded page stays
+            """SGLang's free: Note [A free of pages SGLang does not hold]."""
+            held, pages, ignored = self._held, [], []
+            # Pages in hand (taken for an alloc, normally none between steps) are not SGLang's.
+            in_hand = set(self.free_pages.tolist()) if len(self.free_pages) else set()
+            for page in ids:
+                if not page:
+                    continue  # never page 0: the padded page stays
+                if page in held and page not in in_hand:
+                    held.discard(page)  # given back below; a repeat is then not held
+                    pages.append(page)
+                else:
+                    ignored.append(page)
+            self._return(pages)
+            if ignored:
+                self._ignore_free(ignored)
+
+        def _return(self, pages: list[int]) -> None:
+            """Gives ``pages`` (held by this allocator, taken out of ``_held``) back to kvasync."""
             if not pages:
                 return
-            # A closed allocator: the engine is closing, and its pages are gone already.
-            with contextlib.suppress(AllocatorClosed):
+            try:
                 self._kv.free(pages, after=self._stream or self._engine.fence_now())
-            # Only once kvasync took them: a free it refuses (a page freed twice) frees nothing,
-            # and the pages it held stay SGLang's, for clear() to give back.
-            self._held.difference_update(pages)
+            except AllocatorClosed:
+                pass  # the engine is closing, and its pages are gone already
+            except ValueError:  # a bug (the Note): kvasync freed nothing, so they are still held
+                self._held.update(pages)
+                raise
+
+        def _ignore_free(self, pages: list[int]) -> None:
+            self.num_ignored_free_pages += len(pages)
+            named = ", ".join(map(str, pages[:_PAGES_NAMED]))
+            if len(pages) > _PAGES_NAMED:
+                named += f", ... ({len(pages) - _PAGES_NAMED} more)"
+            message = (
+                f"kvasync: SGLang freed {len(pages)} page(s) it does not hold ({named}): freed "
+                f"already, or never handed out"
+            )
+            now = time.monotonic()
+            if now - self._last_ignored_log >= _LOG_INTERVAL:
+                self._last_ignored_log = now
+                logger.warning(
+                    "%s. Ignored: none goes back to kvasync twice, so none goes to two requests "
+                    "(%d such page(s) since start; one line a %g s). A bug in SGLang or in code "
+                    "beside it: SGLANG_DEBUG_MEMORY_POOL=1 stops at the first",
+                    message,
+                    self.num_ignored_free_pages,
+                    _LOG_INTERVAL,
+                )
+            if getattr(self, "debug_mode", False):  # SGLang's: stop at the first, as stock does
+                raise AssertionError(f"{message} (SGLANG_DEBUG_MEMORY_POOL=1)")
 
         def clear(self) -> None:
-            held = sorted(self._held)
             in_hand = self.free_pages.tolist() if self.free_pages is not None else []
+            pages = sorted((self._held | set(in_hand)) - {0})
             self._held.clear()
-            self._give_back(sorted(set(held) | set(in_hand)))
+            self._return(pages)
             super().clear()
             empty = torch.empty((0,), dtype=torch.int64, device=self.device)
             self.free_pages = empty
