@@ -34,10 +34,22 @@ stats read).
 ``--before REV`` adds kvasync's pool as it is at a git revision (``git show REV:...``), for a
 before/after table in one run.
 
+``--share`` adds kvasync's pool in a share, twice, each in a fresh share of its own whose device
+budget does not bind (twice every page of the allocator): ``kvasync+share``, its allocator joined
+and nothing else, and ``kvasync+share+report``, its ``Scheduler.schedule`` also wrapped with
+``reporting_demand`` as ``register()`` wraps it in a share (after each step the pool's
+``report_demand`` tells the share the blocks held and what the waiting requests that fit the
+batch need: Note [The engine's demand in a share]). Both run in the same lock-step rounds as
+stock and the plain pool; a second table sets each against the pool beside it (the plain pool,
+and the joined one for the report alone): CPU a step, each run over the other's run and each
+step less the other's same step, medians with their 95% CIs; the per-call table adds
+``report_demand``. The ledgers in /dev/shm are gone at the end.
+
 ``--scaling N,N,...`` then measures the cost per unit of work: decode steps of ``N`` running
-requests (prompts done, none finishing), stock's and kvasync's schedulers in lock step, kvasync's
-step less stock's same step for each ``N``, and the line through them: a cost a step and a cost a
-running request a step (with its share of new blocks, one every 16 steps).
+requests (prompts done, none finishing), stock's and kvasync's schedulers (``--before``'s and
+``--share``'s too) in lock step, each pool's step less stock's same step for each ``N``, and the
+line through them: a cost a step and a cost a running request a step (with its share of new
+blocks, one every 16 steps).
 
 ``--profile`` then runs kvasync's pool under cProfile for one pass of each caching setting and
 prints the functions with the most time of their own.
@@ -45,8 +57,8 @@ prints the functions with the most time of their own.
 Runs where vLLM 0.26 imports (``make vllm-test`` makes such a venv, under
 ``~/.cache/kvasync/vllm-matrix/0.26.0/venv``); no
 GPU is used. Usage: bench/bench_vllm_scheduler.py [--rounds N] [--caching on|off|both]
-[--requests N] [--prompt T] [--output T] [--before REV] [--scaling N,N,...] [--profile]
-[--quick]
+[--requests N] [--prompt T] [--output T] [--before REV] [--share] [--scaling N,N,...]
+[--profile] [--quick]
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -80,8 +93,10 @@ import _tables as tables
 import torch
 
 from kvasync import Config, KVLayout, open_allocator_sync
+from kvasync import share as ledger
 from kvasync._stats import percentile
 from kvasync.integrations.vllm import _pool
+from kvasync.integrations.vllm._demand import reporting_demand
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
 from kvasync.integrations.vllm._worker import reserve_pages_for, step_blocks
 
@@ -143,7 +158,24 @@ STOCK = "stock"
 MANAGER_CALLS = ("allocate_slots", "free", "get_computed_blocks")
 COORDINATOR_CALLS = ("get_num_blocks_to_allocate",)
 POOL_CALLS = ("get_num_free_blocks", "get_new_blocks", "free_blocks", "get_usage")
-CALLS = (*MANAGER_CALLS, *COORDINATOR_CALLS, *POOL_CALLS)
+# In a share, the demand report's call into the pool (kvasync's pools alone have it).
+REPORT_CALLS = ("report_demand",)
+CALLS = (*MANAGER_CALLS, *COORDINATOR_CALLS, *POOL_CALLS, *REPORT_CALLS)
+# --share's pools: kvasync's in a share of its own, without and with the demand report.
+SHARED = "kvasync+share"
+REPORTING = "kvasync+share+report"
+
+
+@dataclass(frozen=True)
+class PoolUnderTest:
+    """A scheduler's KV side: stock's ``BlockPool`` (``module`` None) or the pool of kvasync's
+    ``_pool`` module ``module``; ``share``: the share its allocator joins (None: none);
+    ``report``: ``Scheduler.schedule`` reports the engine's demand after each step, as
+    ``register()`` wraps it in a share (Note [The engine's demand in a share])."""
+
+    module: Any = None
+    share: str | None = None
+    report: bool = False
 
 
 @dataclass(frozen=True)
@@ -194,14 +226,27 @@ def vllm_config_for(workload: Workload, caching: bool, model_dir: str) -> Any:
     )
 
 
-def open_engine(vllm_config: Any, num_blocks: int) -> EngineKV:
+def share_budget(num_blocks: int) -> int:
+    """A device budget that never binds an allocator of ``num_blocks``: twice its every page."""
+    pages = -(-num_blocks // (PAGE_SIZE // LAYOUT.range_block_bytes))
+    return 2 * pages * PAGE_SIZE * LAYOUT.num_ranges
+
+
+def open_engine(vllm_config: Any, num_blocks: int, share: str | None = None) -> EngineKV:
     """A host-backend allocator with the reserve the worker would give this scheduler, its
-    reserve mapped (an engine that has been up a while)."""
+    reserve mapped (an engine that has been up a while); ``share``: it joins that share, with a
+    budget that does not bind (``share_budget``)."""
     low, high = reserve_pages_for(LAYOUT, PAGE_SIZE, step_blocks(vllm_config, BLOCK_SIZE))
     kv = open_allocator_sync(
         LAYOUT,
         Config(
-            backend="host", max_blocks=num_blocks, page_size=PAGE_SIZE, reserve_pages=(low, high)
+            backend="host",
+            max_blocks=num_blocks,
+            page_size=PAGE_SIZE,
+            reserve_pages=(low, high),
+            share=share,
+            device_budget=None if share is None else share_budget(num_blocks),
+            name=None if share is None else "bench-scheduler",
         ),
     )
     try:
@@ -244,10 +289,23 @@ def pool_at(rev: str) -> Any:
 
 
 @contextmanager
-def scheduler_for(pool: Any, vllm_config: Any, num_blocks: int) -> Iterator[Any]:
-    """vLLM's Scheduler over stock's BlockPool (``pool`` None), or over the pool of kvasync's
-    ``_pool`` module ``pool`` as ``register()`` patches it (the pool class the coordinator
-    builds, the coordinator's count)."""
+def fresh_share(tag: str) -> Iterator[str]:
+    """A share name no one uses (a ledger of its own, made when an allocator joins); a ledger
+    file left in /dev/shm at the end is removed (the last member to leave removes it itself, one
+    killed or a round that failed before its close does not)."""
+    name = f"bench-scheduler-{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        yield name
+    finally:
+        if os.path.exists(ledger.path(name)):
+            os.unlink(ledger.path(name))
+
+
+@contextmanager
+def scheduler_for(pool: PoolUnderTest, vllm_config: Any, num_blocks: int) -> Iterator[Any]:
+    """vLLM's Scheduler over stock's BlockPool, or over the pool of a kvasync ``_pool`` module
+    as ``register()`` patches it (the pool class the coordinator builds, the coordinator's
+    count, and in a share ``Scheduler.schedule``'s demand report)."""
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -262,10 +320,12 @@ def scheduler_for(pool: Any, vllm_config: Any, num_blocks: int) -> Iterator[Any]
     )
     engine = None
     try:
-        if pool is not None:
-            engine = open_engine(vllm_config, num_blocks)
+        if pool.module is not None:
+            engine = open_engine(vllm_config, num_blocks, pool.share)
             found = engine
-            vllm_coordinator.BlockPool = pool.make_block_pool_class(BlockPool, lambda n: found)
+            vllm_coordinator.BlockPool = pool.module.make_block_pool_class(
+                BlockPool, lambda n: found
+            )
         scheduler = Scheduler(
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
@@ -274,14 +334,17 @@ def scheduler_for(pool: Any, vllm_config: Any, num_blocks: int) -> Iterator[Any]
             structured_output_manager=StructuredOutputManager(vllm_config),
         )
         vllm_coordinator.BlockPool = BlockPool
-        if pool is not None:
-            # register() patches the class; here this coordinator alone (its own instance
-            # attribute), so that pools of several revisions run side by side.
+        if pool.module is not None:
+            # register() patches the classes; here this scheduler's objects alone (their own
+            # instance attributes), so that pools of several revisions run side by side.
             coordinator = scheduler.kv_cache_manager.coordinator
             stock_count = type(coordinator).get_num_blocks_to_allocate
             coordinator.get_num_blocks_to_allocate = MethodType(
-                pool.counting_demand(stock_count), coordinator
+                pool.module.counting_demand(stock_count), coordinator
             )
+        if pool.report:
+            stock_schedule = type(scheduler).schedule
+            scheduler.schedule = MethodType(reporting_demand(stock_schedule), scheduler)
         yield scheduler
     finally:
         vllm_coordinator.BlockPool = BlockPool
@@ -358,6 +421,10 @@ def wrap_calls(scheduler: Any, calls: dict[str, list[float]]) -> None:
         setattr(target, name, timed(getattr(target, name), calls[name]))
     for name in POOL_CALLS:
         setattr(manager.block_pool, name, timed(getattr(manager.block_pool, name), calls[name]))
+    for name in REPORT_CALLS:
+        if hasattr(manager.block_pool, name):  # kvasync's pools; called only in a share
+            method = getattr(manager.block_pool, name)
+            setattr(manager.block_pool, name, timed(method, calls[name]))
 
 
 def run_together(
@@ -493,6 +560,70 @@ def step_table(
     )
 
 
+def same_step_deltas(mine: Samples, theirs: Samples) -> tuple[list[float], int]:
+    """Each step of ``mine`` less ``theirs``'s same step, over the runs that took as many steps
+    (a count answered short adds a step, and the steps after it are not the same steps), and
+    how many runs those are."""
+    deltas: list[float] = []
+    runs = mine_start = their_start = 0
+    for mine_steps, their_steps in zip(mine.steps_per_run, theirs.steps_per_run, strict=True):
+        if mine_steps == their_steps:
+            own = mine.steps[mine_start : mine_start + mine_steps]
+            other = theirs.steps[their_start : their_start + their_steps]
+            deltas += [m - t for m, t in zip(own, other, strict=True)]
+            runs += 1
+        mine_start += mine_steps
+        their_start += their_steps
+    return deltas, runs
+
+
+def added_table(
+    results: dict[tuple[str, str], Samples], pairs: list[tuple[str, str]], settings: list[str]
+) -> str:
+    """What a pool adds to another's step, for each ``(pool, against)`` of ``pairs``: their CPU
+    time a step (a run's over its steps), the difference, each run against the other's run
+    beside it (median, 95% CI) and each step less the other's same step (median, 95% CI; the
+    same steps when both runs took as many)."""
+    rows = []
+    for caching in settings:
+        for pool, against in pairs:
+            mine, theirs = results[(pool, caching)], results[(against, caching)]
+            per_step = sum(mine.steps) / len(mine.steps)
+            base = sum(theirs.steps) / len(theirs.steps)
+            paired = zip(mine.run_cpu, theirs.run_cpu, strict=True)
+            median, low, high = median_ci([m / t for m, t in paired])
+            deltas, runs = same_step_deltas(mine, theirs)
+            same_steps = "-"
+            if deltas:
+                d, d_low, d_high = median_ci(deltas)
+                same_steps = f"{fmt_us(d)} [{fmt_us(d_low)}, {fmt_us(d_high)}], {runs} runs"
+            rows.append(
+                [
+                    pool,
+                    against,
+                    caching,
+                    fmt_us(per_step),
+                    fmt_us(base),
+                    fmt_us(per_step - base),
+                    f"{median:.3f}x [{low:.3f}, {high:.3f}]",
+                    same_steps,
+                ]
+            )
+    return tables.markdown(
+        [
+            "pool",
+            "against",
+            "prefix caching",
+            "CPU µs a step",
+            "against's µs a step",
+            "added µs a step",
+            "runs vs against, median [95% CI]",
+            "step - against's same step p50 µs [95% CI], runs",
+        ],
+        rows,
+    )
+
+
 def call_table(
     results: dict[tuple[str, str], Samples], pools: list[str], settings: list[str]
 ) -> str:
@@ -526,18 +657,18 @@ def call_table(
 
 def decode_scaling(
     args: argparse.Namespace,
-    modules: dict[str, Any],
+    under_test: dict[str, PoolUnderTest],
     settings: list[str],
     model_dir: str,
     hasher: Any,
 ) -> str:
-    """The cost per unit of work: stock's scheduler and each kvasync pool's (``modules``) in
+    """The cost per unit of work: stock's scheduler and each kvasync pool's (``under_test``) in
     lock step over decode steps of ``n`` running requests (prompts done, none finishing; their
     prompts' lengths staggered, so that about ``n / BLOCK_SIZE`` of them start a new block each
     step), for each ``n`` of ``--scaling``; a pool's CPU time a step less stock's same step, and
     the line through them (a cost a step, and a cost a running request a step, which includes
     its share of new blocks: one every ``BLOCK_SIZE`` steps)."""
-    pools = [pool for pool in modules if pool != STOCK]
+    pools = [pool for pool in under_test if pool != STOCK]
     rows = []
     lines = []
     for caching in settings:
@@ -555,13 +686,13 @@ def decode_scaling(
                 num_blocks=max(n * per_request, 4096) + 1,
             )
             vllm_config = vllm_config_for(workload, caching == "on", model_dir)
-            steps: dict[str, list[float]] = {pool: [] for pool in modules}
+            steps: dict[str, list[float]] = {pool: [] for pool in under_test}
             with ExitStack() as stack:
                 schedulers = {
                     pool: stack.enter_context(
-                        scheduler_for(module, vllm_config, workload.num_blocks)
+                        scheduler_for(under, vllm_config, workload.num_blocks)
                     )
-                    for pool, module in modules.items()
+                    for pool, under in under_test.items()
                 }
                 for scheduler in schedulers.values():
                     for request in make_requests(workload, hasher, 20_000 + n, stagger=True):
@@ -646,7 +777,7 @@ def profile(workload: Workload, settings: list[str], model_dir: str, hasher: Any
     for caching in settings:
         vllm_config = vllm_config_for(workload, caching == "on", model_dir)
         sink = {"kvasync": Samples()}
-        with scheduler_for(_pool, vllm_config, workload.num_blocks) as scheduler:
+        with scheduler_for(PoolUnderTest(_pool), vllm_config, workload.num_blocks) as scheduler:
             profiler = cProfile.Profile()
             profiler.enable()
             run_together({"kvasync": scheduler}, workload, hasher, 10_000, sink, False)
@@ -659,7 +790,54 @@ def profile(workload: Workload, settings: list[str], model_dir: str, hasher: Any
     return out.getvalue()
 
 
-def main() -> None:
+def measure(
+    args: argparse.Namespace,
+    pools: dict[str, PoolUnderTest],
+    settings: list[str],
+    configs: dict[str, Any],
+    workload: Workload,
+    hasher: Any,
+) -> dict[tuple[str, str], Samples]:
+    """``--rounds`` rounds: in each, for each caching setting, every pool's scheduler in lock step
+    (``run_together``), once timing steps and once timing calls."""
+    results = {(p, c): Samples() for p in pools for c in settings}
+    for round_index in range(args.rounds):
+        for caching in settings:
+            for timing_calls in (False, True):
+                with ExitStack() as stack:
+                    schedulers = {
+                        name: stack.enter_context(
+                            scheduler_for(pool, configs[caching], workload.num_blocks)
+                        )
+                        for name, pool in pools.items()
+                    }
+                    run_together(
+                        schedulers,
+                        workload,
+                        hasher,
+                        round_index * 2 + int(timing_calls),
+                        {name: results[(name, caching)] for name in pools},
+                        timing_calls,
+                    )
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return results
+
+
+def pools_for(args: argparse.Namespace, stack: ExitStack) -> dict[str, PoolUnderTest]:
+    """Stock's and kvasync's, then ``--before``'s and ``--share``'s (each in a fresh share of
+    its own, whose ledger ``stack`` removes at the end)."""
+    pools = {STOCK: PoolUnderTest(), "kvasync": PoolUnderTest(_pool)}
+    if args.before:
+        pools[f"kvasync@{args.before}"] = PoolUnderTest(pool_at(args.before))
+    if args.share:
+        pools[SHARED] = PoolUnderTest(_pool, share=stack.enter_context(fresh_share("joined")))
+        pools[REPORTING] = PoolUnderTest(
+            _pool, share=stack.enter_context(fresh_share("report")), report=True
+        )
+    return pools
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--caching", choices=("on", "off", "both"), default="both")
@@ -673,6 +851,11 @@ def main() -> None:
         "--before",
         metavar="REV",
         help="also run kvasync's pool as it is at this git revision (a before/after row)",
+    )
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="also run kvasync's pool in a share, without and with the demand report",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile kvasync's pool after")
     parser.add_argument("--top", type=int, default=30, help="profile lines to print")
@@ -690,6 +873,11 @@ def main() -> None:
         args.rounds, args.requests = min(args.rounds, 1), 64
     if not 0 <= args.shared_prefix < args.prompt:
         parser.error("--shared-prefix must be below --prompt")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     per_request = -(-(args.prompt + args.output) // BLOCK_SIZE)
     # Room for every request at once and as many cached blocks again: no preemption, and the
     # pool's capacity is what vLLM would size from a large GPU.
@@ -704,12 +892,12 @@ def main() -> None:
         num_blocks=num_blocks,
     )
     settings = ["on", "off"] if args.caching == "both" else [args.caching]
-    modules: dict[str, Any] = {STOCK: None, "kvasync": _pool}
-    if args.before:
-        modules[f"kvasync@{args.before}"] = pool_at(args.before)
-    pools = list(modules)
 
-    with tempfile.TemporaryDirectory(prefix="kvasync-bench-model-") as model_dir:
+    with (
+        ExitStack() as shares,
+        tempfile.TemporaryDirectory(prefix="kvasync-bench-model-") as model_dir,
+    ):
+        pools = pools_for(args, shares)
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(MODEL_CONFIG, f)
         configs = {c: vllm_config_for(workload, c == "on", model_dir) for c in settings}
@@ -717,27 +905,8 @@ def main() -> None:
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
 
-        results = {(p, c): Samples() for p in pools for c in settings}
-        for round_index in range(args.rounds):
-            for caching in settings:
-                for timing_calls in (False, True):
-                    with ExitStack() as stack:
-                        schedulers = {
-                            pool: stack.enter_context(
-                                scheduler_for(modules[pool], configs[caching], num_blocks)
-                            )
-                            for pool in pools
-                        }
-                        run_together(
-                            schedulers,
-                            workload,
-                            hasher,
-                            round_index * 2 + int(timing_calls),
-                            {pool: results[(pool, caching)] for pool in pools},
-                            timing_calls,
-                        )
-            print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-
+        results = measure(args, pools, settings, configs, workload, hasher)
+        names = list(pools)
         if args.rounds > 0:
             print(
                 f"# vLLM {vllm.__version__}'s scheduler on the CPU ({os.cpu_count()} cores, "
@@ -749,16 +918,23 @@ def main() -> None:
             print(
                 "Per step (schedule() + update_from_output(); the scheduler thread's CPU time):\n"
             )
-            print(step_table(results, pools, settings))
+            print(step_table(results, names, settings))
+            if args.share:
+                print(
+                    "\nWhat the share and the demand report add (the scheduler thread's CPU time; "
+                    "each against the pool beside it in the same rounds):\n"
+                )
+                pairs = [(SHARED, "kvasync"), (REPORTING, "kvasync"), (REPORTING, SHARED)]
+                print(added_table(results, pairs, settings))
             print("\nPer call (wall time, timed in a pass of their own):\n")
-            print(call_table(results, pools, settings))
+            print(call_table(results, names, settings))
         if args.scaling:
             print(
                 f"\nDecode steps of N running requests ({args.prompt}-token prompts done, "
                 f"{args.scaling_steps} steps each, the scheduler thread's CPU time, a pool's "
                 "step less stock's same step):\n"
             )
-            print(decode_scaling(args, modules, settings, model_dir, hasher))
+            print(decode_scaling(args, pools, settings, model_dir, hasher))
         if args.profile:
             print(profile(workload, settings, model_dir, hasher, args.top))
 
