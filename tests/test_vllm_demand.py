@@ -18,6 +18,7 @@ from test_vllm_pool_failures import (
     DEADLINE,
     PAGE_BYTES,
     VLLM_ERROR,
+    Clock,
     add_request,
     make_scheduler,
     step,
@@ -26,7 +27,7 @@ from test_vllm_pool_failures import (
 
 from kvasync import Config, KVLayout, SyncAllocator, open_allocator_sync
 from kvasync import share as ledger
-from kvasync.integrations.vllm import _demand
+from kvasync.integrations.vllm import _demand, _pool
 from kvasync.integrations.vllm._demand import reporting_demand, waiting_need
 from kvasync.integrations.vllm._engine import EngineKV, hold_null_block
 
@@ -122,6 +123,29 @@ def test_an_engine_with_requests_queued_makes_an_idle_member_give_its_reserve_ba
         lambda: step(scheduler) >= 0 and len(scheduler.running) > 4,
         "the engine running requests on the pages the idle member gave back",
     )
+
+
+def test_a_rise_of_a_page_is_reported_at_once_and_anything_else_at_most_every_interval(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, share: str, allocators: list[SyncAllocator]
+) -> None:
+    kv = open_member(allocators, share, "engine", (1, 2))
+    pool = reporting_scheduler(monkeypatch, tmp_path, kv).kv_cache_manager.block_pool
+    clock = Clock()
+    pool.clock = clock
+
+    def demand_pages() -> int:
+        return entry(share, "engine").demand_bytes // PAGE_BYTES
+
+    pool.report_demand(2 * BLOCKS_PER_PAGE)  # the first report: 1 + 32 blocks, 3 pages
+    assert demand_pages() == 3
+    pool.report_demand(BLOCKS_PER_PAGE // 2)  # a fall, within the interval: not yet
+    pool.report_demand(2 * BLOCKS_PER_PAGE + 4)  # a rise of less than a page: not yet
+    assert demand_pages() == 3
+    pool.report_demand(3 * BLOCKS_PER_PAGE)  # a rise of a page: at once
+    assert demand_pages() == 4
+    clock.now += _pool._REPORT_INTERVAL
+    pool.report_demand(BLOCKS_PER_PAGE // 2)  # the interval passed: the fall goes through
+    assert demand_pages() == 1
 
 
 def test_a_queue_vllm_cannot_read_ends_the_reports_once_with_a_log_and_the_engine_runs_on(

@@ -204,6 +204,9 @@ _MAP_WAIT = 5.0
 # While a request cannot fit under the limit in force, or the allocator fails, one warning line
 # per this many seconds (Note [When the allocator fails]).
 _LOG_INTERVAL = 30.0
+# The engine's demand in a share (Note [The engine's demand in a share] in _demand): reported
+# at most this often unless it rose by a page or more. The share's watchers tick every 100 ms.
+_REPORT_INTERVAL = 0.05
 # While no block is asked and none is available, how often the count looks whether the
 # allocator was closed (a closed allocator has none available, and raises nothing there).
 _CLOSED_PROBE_INTERVAL = 0.05
@@ -486,6 +489,8 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             "_closed_error",
             "_closed_probe_due",
             "_counted",
+            "_demand_due",
+            "_demand_reported",
             "_drain",
             "_engine",
             "_error_logged",
@@ -496,6 +501,7 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             "_keep_cached",
             "_kv",
             "_may_evict",
+            "_page_blocks",
             "_pocket",
             "_room_this_step",
             "_set_demand",
@@ -558,6 +564,13 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             self._free: Callable[..., None] = allocator.free
             self._drain = allocator.drain_from
             self._set_demand: Callable[[int], None] = allocator.set_demand
+            # The demand last reported and when the next report is due at the latest (Note [The
+            # engine's demand in a share]); a rise of a page's blocks is reported at once.
+            self._demand_reported = -1
+            self._demand_due = -float("inf")
+            self._page_blocks = max(
+                1, engine.allocator.page_size // engine.allocator.layout.range_block_bytes
+            )
             self._fence = engine.fence
             self._keep_cached = engine.prefix_cache_blocks
             self._pocket: list[int] = []  # mapped, the pool's, free to vLLM
@@ -761,9 +774,17 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
             """Tells the share the blocks this engine wants now: those its requests hold, the
             pocket and the null block, and ``waiting_blocks`` (what its waiting requests that
             fit the batch need). Once a step, in a share (Note [The engine's demand in a share]
-            in _demand). An allocator error is a count's to report, never the engine's end."""
+            in _demand). A rise of a page's blocks or more is reported at once; anything else at
+            most every ``_REPORT_INTERVAL`` (a report that changes the share's figure wakes every
+            member's watcher). An allocator error is a count's to report, never the engine's end.
+            """
+            wanted = 1 + self._num_running() + len(self._pocket) + waiting_blocks
+            now = self.clock()
+            if now < self._demand_due and wanted < self._demand_reported + self._page_blocks:
+                return
+            self._demand_reported, self._demand_due = wanted, now + _REPORT_INTERVAL
             try:
-                self._set_demand(1 + self._num_running() + len(self._pocket) + waiting_blocks)
+                self._set_demand(wanted)
             except AllocatorClosed:
                 pass  # the next count finds it (Note [When the allocator fails])
             except KVAsyncError as error:
