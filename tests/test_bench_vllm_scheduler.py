@@ -20,7 +20,9 @@ import pytest
 from kvasync import share as ledger
 
 try:
-    import vllm  # noqa: F401
+    # vLLM's scheduler itself: a bare ``import vllm`` also finds bench/vllm/ (results, no
+    # package) as a namespace package once a test has put bench/ on sys.path.
+    import vllm.v1.core.sched.scheduler  # noqa: F401
 
     VLLM_ERROR = ""
 except Exception as error:  # any import failure means: no vLLM here
