@@ -9,7 +9,6 @@ import contextlib
 import json
 import math
 import pathlib
-import threading
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from _vllm_procs import (
     Died,
     Engine,
     GpuSampler,
+    LedgerSampler,
     OutOfTime,
     Run,
     kill_all,
@@ -72,42 +72,28 @@ def say(text: str) -> None:
     print(f"[{stamp()}] {text}", flush=True)
 
 
-class ShareWatch(threading.Thread):
+class ShareWatch(LedgerSampler):
     """The share's ledger every ``period`` s: each member's committed, mapped, used bytes, limit
     in force, demand and blocked waiters (real bytes: ``scale`` undoes a dry run's)."""
 
     def __init__(self, share: str, scale: int, period: float = 0.1) -> None:
-        super().__init__(daemon=True)
-        self.share, self.scale, self.period = share, scale, period
-        self.samples: list[dict[str, Any]] = []
-        self.stop_event = threading.Event()
+        super().__init__(share, period)
+        self.scale = scale
 
-    def run(self) -> None:
-        from kvasync import share as shares
-
-        while not self.stop_event.wait(self.period):
-            try:
-                entries = shares.snapshot(self.share, timeout=0.5)
-            except Exception:  # no member yet, or between members
-                continue
-            members: dict[str, dict[str, int]] = {}
-            for e in entries:
-                m = members.setdefault(
-                    e.name,
-                    dict.fromkeys(("committed", "mapped", "used", "limit", "demand", "blocked"), 0),
-                )
-                m["committed"] += e.committed_bytes * self.scale
-                m["mapped"] += e.mapped_bytes * self.scale
-                m["used"] += e.used_bytes * self.scale
-                m["limit"] += e.limit_bytes * self.scale
-                m["demand"] += e.demand_bytes * self.scale
-                m["blocked"] += e.blocked
-            self.samples.append({"wall": time.time(), "members": members})
-
-    def finish(self) -> list[dict[str, Any]]:
-        self.stop_event.set()
-        self.join(5.0)
-        return self.samples
+    def sample(self, entries: list[Any]) -> dict[str, Any]:
+        members: dict[str, dict[str, int]] = {}
+        for e in entries:
+            m = members.setdefault(
+                e.name,
+                dict.fromkeys(("committed", "mapped", "used", "limit", "demand", "blocked"), 0),
+            )
+            m["committed"] += e.committed_bytes * self.scale
+            m["mapped"] += e.mapped_bytes * self.scale
+            m["used"] += e.used_bytes * self.scale
+            m["limit"] += e.limit_bytes * self.scale
+            m["demand"] += e.demand_bytes * self.scale
+            m["blocked"] += e.blocked
+        return {"wall": time.time(), "members": members}
 
 
 class CaseRun:

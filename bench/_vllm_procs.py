@@ -289,13 +289,17 @@ class LedgerSampler(threading.Thread):
                 entries = shares.snapshot(self.share, timeout=0.5)
             except Exception:  # no ledger yet (no member joined), or between members
                 continue
-            self.samples.append(
-                {
-                    "wall": time.time(),
-                    "mapped_gib": {e.name: e.mapped_bytes / 2**30 for e in entries},
-                    "budget_gib": (shares.budget(entries) or 0) / 2**30,
-                }
-            )
+            self.samples.append(self.sample(entries))
+
+    def sample(self, entries: list[Any]) -> dict[str, Any]:
+        """One sample of the ledger's ``entries`` (a subclass records more)."""
+        from kvasync import share as shares
+
+        return {
+            "wall": time.time(),
+            "mapped_gib": {e.name: e.mapped_bytes / 2**30 for e in entries},
+            "budget_gib": (shares.budget(entries) or 0) / 2**30,
+        }
 
     def finish(self) -> list[dict[str, Any]]:
         self.stop_event.set()
