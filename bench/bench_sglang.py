@@ -48,13 +48,23 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import _sglang_reference as kvcached_ref
+
+if __name__ == "__mp_main__" or sys.argv[1:2] == ["--child"]:
+    # A kvcached engine's processes, the child and SGLang's spawned ones (which import this script
+    # as __mp_main__): kvcached's import hook before SGLang's import (bench/_sglang_reference.py).
+    kvcached_ref.enter_if_kvcached(spawned=__name__ == "__mp_main__")
+
 from _tables import print_table
 from _vllm_child import TOKEN_KV_BYTES, alternating_trace, prompt_tokens, write_model_config
 from _vllm_procs import FAILURES, Engine, LedgerSampler, kill_all, write_atomically
+from _vllm_reference import ensure_built
 
 HERE = pathlib.Path(__file__).resolve()
 BENCH_VLLM = HERE.parent / "bench_vllm.py"
 GIB = 2**30
+MODES = ("identity", "release", "seed-a", "two", "mixed")
+TWO_VARIANTS = ("shared", "static-kvasync", "static-stock", "kvcached")
 
 
 class ProcessMemory(threading.Thread):
@@ -165,6 +175,37 @@ class Bench:
             env["KVASYNC_MEMORY_LIMIT"] = f"{limit // 2**20}MiB"
         return env
 
+    def kvcached_env(self, folder: pathlib.Path, name: str) -> dict[str, str]:
+        """A kvcached engine's environment; its probes go to ``folder`` (stale ones removed)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        prefix = folder / f"{name}.kvcached-probe"
+        for stale in folder.glob(f"{prefix.name}.*"):
+            stale.unlink(missing_ok=True)
+        return kvcached_ref.engine_env(
+            name,
+            self.tag,
+            site=str(self.args.kvcached_site),
+            probe_prefix=str(prefix),
+            max_cached_tokens=self.args.kvcached_max_cached_tokens,
+        )
+
+    def kvcached_report(self, engine: Engine) -> dict[str, Any]:
+        """Whether kvcached patched this engine's SGLang, process by process (its probes), and what
+        kvcached logged on it."""
+        probes = kvcached_ref.read_probes(engine.spec["env"][kvcached_ref.PROBE_ENV])
+        summary = kvcached_ref.summarize(probes)
+        print(
+            f"{engine.name}: kvcached's patches in the scheduler process: "
+            f"{'yes' if summary['scheduler_patched'] else 'NO'} ({summary['processes']} "
+            f"processes probed: {', '.join(summary['roles']) or 'none'})",
+            flush=True,
+        )
+        return {
+            "summary": summary,
+            "probes": probes,
+            "log": kvcached_ref.log_lines(engine.log_path),
+        }
+
     def save(self) -> None:
         (self.out / "bench_sglang.json").write_text(json.dumps(self.results, indent=1, default=str))
 
@@ -177,6 +218,7 @@ class Bench:
         tokens = kv_bytes // TOKEN_KV_BYTES // 16 * 16
         prompts = identity_prompts(args.prompts)
         share = f"sgl-id-{self.tag}"
+        cand = args.candidate
         common = {
             "prompts": prompts,
             "rounds": args.rounds,
@@ -184,16 +226,23 @@ class Bench:
             "engine_args": {"max_total_tokens": tokens, "cuda_graph_max_bs_decode": 64},
         }
         stock = self.spawn(folder, "stock", "prompts", {"KVASYNC_SGLANG": "0"}, **common)
-        ours = self.spawn(
-            folder,
-            "kvasync",
-            "prompts",
-            self.kvasync_env("sgl-id", share=share, budget=kv_bytes, limit=None),
-            **common,
+        if cand == "kvcached":  # the same max_total_tokens: kvcached maps what SGLang uses of it
+            env = self.kvcached_env(folder, cand)
+        else:
+            env = self.kvasync_env("sgl-id", share=share, budget=kv_bytes, limit=None)
+        ours = self.spawn(folder, cand, "prompts", env, **common)
+        memory = ProcessMemory({"stock": stock.process.pid, cand: ours.process.pid})
+        ledger: LedgerSampler | kvcached_ref.KvcachedSampler = (
+            kvcached_ref.KvcachedSampler({cand: env["KVCACHED_IPC_NAME"]})
+            if cand == "kvcached"
+            else LedgerSampler(share)
         )
-        memory = ProcessMemory({"stock": stock.process.pid, "kvasync": ours.process.pid})
-        ledger = LedgerSampler(share)
-        record: dict[str, Any] = {"kv_gib": args.kv_gib, "tokens": tokens, "prompts": len(prompts)}
+        record: dict[str, Any] = {
+            "kv_gib": args.kv_gib,
+            "tokens": tokens,
+            "prompts": len(prompts),
+            "candidate": cand,
+        }
         self.results["identity"] = record
         memory.start()
         ledger.start()
@@ -223,14 +272,16 @@ class Bench:
             record["memory"] = memory.finish()
             record["ledger"] = ledger.finish()
             kill_all([stock, ours])
+            if cand == "kvcached":
+                record["kvcached"] = self.kvcached_report(ours)
         results = {e.name: e.result() or {} for e in (stock, ours)}
         rows = []
         identical_rounds = 0
         ratios = []
         for index in range(args.rounds):
             s = results["stock"]["rounds"][index]
-            k = results["kvasync"]["rounds"][index]
-            same = results["stock"]["outputs"][index] == results["kvasync"]["outputs"][index]
+            k = results[cand]["rounds"][index]
+            same = results["stock"]["outputs"][index] == results[cand]["outputs"][index]
             identical_rounds += same
             ratio = k["tok_s"] / s["tok_s"]
             if index > 0:  # round 0 is each engine's warm-up (first kernels, empty cache)
@@ -251,10 +302,10 @@ class Bench:
             [
                 "round",
                 "stock tok/s",
-                "kvasync tok/s",
+                f"{cand} tok/s",
                 "ratio",
                 "stock cached",
-                "kvasync cached",
+                f"{cand} cached",
                 "identical",
             ],
             rows,
@@ -266,19 +317,19 @@ class Bench:
             ratio_mean=mean,
             ratio_ci95=half,
             results=results,
-            peak_gib={"stock": memory.peak_gib("stock"), "kvasync": memory.peak_gib("kvasync")},
+            peak_gib={"stock": memory.peak_gib("stock"), cand: memory.peak_gib(cand)},
             mapped_peak_gib=max(
                 (max(s["mapped_gib"].values(), default=0.0) for s in record["ledger"]), default=0.0
             ),
         )
         print(
             f"identical {identical_rounds}/{args.rounds} rounds ({len(prompts)} prompts each); "
-            f"throughput kvasync/stock over rounds 1..: {mean:.3f} +- {half:.3f} (95% CI); "
+            f"throughput {cand}/stock over rounds 1..: {mean:.3f} +- {half:.3f} (95% CI); "
             f"start stock {record['start_s_stock']:.1f} s, "
-            f"kvasync {record['start_s_kvasync']:.1f} s; "
-            f"device memory peak stock {record['peak_gib']['stock']:.2f} GiB, kvasync "
-            f"{record['peak_gib']['kvasync']:.2f} GiB (KV capacity {args.kv_gib} GiB each); "
-            f"kvasync mapped KV peak {record['mapped_peak_gib']:.2f} GiB",
+            f"{cand} {record[f'start_s_{cand}']:.1f} s; "
+            f"device memory peak stock {record['peak_gib']['stock']:.2f} GiB, {cand} "
+            f"{record['peak_gib'][cand]:.2f} GiB (KV capacity {args.kv_gib} GiB each); "
+            f"{cand} mapped KV peak {record['mapped_peak_gib']:.2f} GiB",
             flush=True,
         )
 
@@ -483,6 +534,12 @@ class Bench:
                     engine_args["mem_fraction_static"] = 0.3
                 elif variant == "static-kvasync":
                     env = self.kvasync_env(f"two-{label}", share=None, budget=None, limit=half)
+                elif variant == "kvcached":
+                    # kvcached has no budget shared between engines: each may map up to all of it
+                    # (as in bench_vllm.py); the table gives the most A and B held at once.
+                    env = self.kvcached_env(folder, f"{variant}_{label}")
+                    engine_args["max_total_tokens"] = budget // TOKEN_KV_BYTES // 16 * 16
+                    engine_args["mem_fraction_static"] = 0.3
                 else:
                     env = self.kvasync_env(f"two-{label}", share=share, budget=budget, limit=None)
                 engines.append(
@@ -496,7 +553,13 @@ class Bench:
                         trace_go=str(trace_go),
                     )
                 )
-            ledger = LedgerSampler(share) if variant == "shared" else None
+            ledger: LedgerSampler | kvcached_ref.KvcachedSampler | None = None
+            if variant == "shared":
+                ledger = LedgerSampler(share)
+            elif variant == "kvcached":
+                ledger = kvcached_ref.KvcachedSampler(
+                    {e.name: e.spec["env"]["KVCACHED_IPC_NAME"] for e in engines}
+                )
             if ledger:
                 ledger.start()
             result: dict[str, Any] = {}
@@ -521,6 +584,8 @@ class Bench:
                 if ledger:
                     result["ledger"] = ledger.finish()
                 kill_all(engines)
+                if variant == "kvcached":
+                    result["kvcached"] = {e.name: self.kvcached_report(e) for e in engines}
             served = []
             for engine in engines:
                 served.extend((engine.result() or {}).get("requests", []))
@@ -729,28 +794,28 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 
 def plan_end(plan: list[list[dict[str, Any]]]) -> float:
-    return max(r["at"] for engine in plan for r in engine)
+    return float(max(r["at"] for engine in plan for r in engine))
 
 
 def fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        import _sglang_child
+CANDIDATE_MODES = {"kvasync": MODES, "kvcached": ("identity", "two")}
 
-        _sglang_child.main(sys.argv[2])
-        return
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True)
+    parser.add_argument("--modes", nargs="+", default=["identity", "release"], choices=MODES)
     parser.add_argument(
-        "--modes",
-        nargs="+",
-        default=["identity", "release"],
-        choices=["identity", "release", "seed-a", "two", "mixed"],
+        "--candidate",
+        default="kvasync",
+        choices=sorted(CANDIDATE_MODES),
+        help="the allocator compared with stock SGLang: kvasync's plugin, or the reference "
+        "allocator kvcached (identity and two only; see bench/reference/README.md)",
     )
     parser.add_argument("--model", default="1b", choices=["1b", "8b"])
     parser.add_argument("--kv-gib", type=float, default=6.0)
@@ -769,7 +834,11 @@ def main() -> None:
     parser.add_argument("--period-s", type=float, default=10.0)
     parser.add_argument("--slo-s", type=float, default=2.0)
     parser.add_argument(
-        "--two-variants", nargs="+", default=["shared", "static-kvasync", "static-stock"]
+        "--two-variants",
+        nargs="+",
+        choices=TWO_VARIANTS,
+        help="default: shared static-kvasync static-stock (--candidate kvcached: kvcached "
+        "static-stock)",
     )
     parser.add_argument("--mixed-variants", nargs="+", default=["shared", "static"])
     parser.add_argument(
@@ -780,9 +849,69 @@ def main() -> None:
     parser.add_argument(
         "--vllm-site", default=os.environ.get("VLLM_SITE"), help="vLLM's packages (PYTHONPATH)"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--kvcached-pack",
+        type=pathlib.Path,
+        default=HERE.parent.parent / "build" / "kvcached",
+        help="kvcached's source and wheels (bench/reference/pack_kvcached.sh)",
+    )
+    parser.add_argument(
+        "--kvcached-site",
+        type=pathlib.Path,
+        default=pathlib.Path.home() / "kvcached-site",
+        help="where kvcached is built (bench/reference/build_kvcached.sh; a build of the same "
+        "commit there is kept)",
+    )
+    parser.add_argument("--kvcached-build-deadline-s", type=float, default=300.0)
+    parser.add_argument(
+        "--kvcached-max-cached-tokens",
+        type=int,
+        default=None,
+        help="kvcached's KVCACHED_MAX_CACHED_TOKENS, its cap on SGLang's radix cache after each "
+        "request (unset: kvcached's default, 16,000 tokens; -1: no cap, as stock)",
+    )
+    args = parser.parse_args(argv)
+    if args.two_variants is None:
+        args.two_variants = (
+            ["kvcached", "static-stock"]
+            if args.candidate == "kvcached"
+            else ["shared", "static-kvasync", "static-stock"]
+        )
+    unfit = [m for m in args.modes if m not in CANDIDATE_MODES[args.candidate]]
+    if unfit:
+        parser.error(
+            f"--candidate {args.candidate} runs only {', '.join(CANDIDATE_MODES[args.candidate])}"
+            f" (not {', '.join(unfit)}): the others measure what only kvasync has"
+        )
+    return args
+
+
+def plans_kvcached(args: argparse.Namespace) -> bool:
+    """Whether any engine of this run is a kvcached one."""
+    return ("identity" in args.modes and args.candidate == "kvcached") or (
+        "two" in args.modes and "kvcached" in args.two_variants
+    )
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        import _sglang_child
+
+        _sglang_child.main(sys.argv[2])
+        return
+    args = parse_args()
     bench = Bench(args)
     try:
+        if plans_kvcached(args):
+            print(f"== kvcached: from {args.kvcached_pack} into {args.kvcached_site}", flush=True)
+            build = ensure_built(
+                args.kvcached_pack, args.kvcached_site, args.kvcached_build_deadline_s
+            )
+            bench.results["kvcached_build"] = build
+            print(f"kvcached build: {build.get('error') or build}", flush=True)
+            if "error" in build:
+                bench.results.setdefault("failures", {})["kvcached-build"] = build["error"]
+                return
         for mode in args.modes:
             print(f"== {mode} ({time.strftime('%H:%M:%S')})", flush=True)
             try:

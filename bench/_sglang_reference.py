@@ -1,0 +1,293 @@
+"""The reference allocator, kvcached, as the candidate of bench/bench_sglang.py (``--candidate
+kvcached``).
+
+kvcached (github.com/ovg-project/kvcached) is packed on the CPU machine by
+``bench/reference/pack_kvcached.sh`` into ``build/kvcached`` and built on the device machine by
+``bench/reference/build_kvcached.sh`` into a site folder of its own (``--kvcached-site``), as for
+bench/bench_vllm.py (``bench/_vllm_reference.py`` builds it). No kvcached code is in this
+repository.
+
+How kvcached enters SGLang, as its SGLang integration does: its ``kvcached_autopatch.pth`` hooks
+the import of ``sglang`` (``wrapt.importer.when_imported``); with ``ENABLE_KVCACHED=true`` and
+``KVCACHED_AUTOPATCH=1`` that hook imports ``kvcached.integration.sglang.autopatch``, which
+imports SGLang's memory pool, allocator, model runner, scheduler and radix cache modules and puts
+its elastic classes in place of SGLang's (``Elastic*`` classes bound to SGLang's names, and
+wrapped methods that carry a ``__kvcached_patched_*`` marker).
+
+The .pth runs only where kvcached's folder is added as a site (``site.addsitedir``). A kvcached
+engine's child does so before it imports SGLang. SGLang then starts its scheduler and detokenizer
+with multiprocessing's *spawn*: each is a fresh interpreter that re-imports the child's main
+script (bench_sglang.py) as ``__mp_main__`` before it unpickles (and so imports) SGLang's process
+function. Those processes inherit the environment but not the import hook, so bench_sglang.py calls
+``enter_if_kvcached`` at import in both cases: where ``KVCACHED_BENCH_SITE`` is set (only in a
+kvcached engine's environment), it adds the site again, which runs the .pth again. The KV pool lives
+in the scheduler process, so that is where the patches must be.
+
+What was patched is recorded, not assumed: after kvcached's hook, a hook of this module writes a
+probe of the process's SGLang modules (``probe``) to ``KVCACHED_BENCH_PROBE.<pid>.json``; in a
+spawned process it writes it again once multiprocessing names the process's function (the
+scheduler's is ``run_scheduler_process``). The engine child reports the probes as its ``kvcached``
+event; the driver adds kvcached's own log lines on its patches (``log_lines``).
+
+kvcached's SGLang defaults worth knowing: ``KVCACHED_MAX_CACHED_TOKENS`` (16,000 by default)
+caps what SGLang's radix cache keeps after a request finishes (kvcached evicts past it), so prefix
+hits can be fewer than stock's; ``--kvcached-max-cached-tokens -1`` lifts the cap. Its mapped KV
+is read from the shared-memory segment it keeps per engine (``KVCACHED_IPC_NAME``, in /dev/shm:
+total, used and preallocated bytes, three int64), by ``KvcachedSampler``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import re
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+SITE_ENV = "KVCACHED_BENCH_SITE"  # kvcached's built site; set only for a kvcached engine
+PROBE_ENV = "KVCACHED_BENCH_PROBE"  # each process of that engine writes <this>.<pid>.json
+SHM_DIR = pathlib.Path("/dev/shm")
+GIB = 2**30
+# What kvcached says in its log about its patches and its classes in use.
+LOG_NEEDLES = (
+    "patched sglang",
+    "patch sglang",
+    "Failed to apply",
+    "Error applying",
+    "Could not import target module",
+    "in use",
+    "capped at",
+    "virtual KV capacity",
+    "process-local KV capacity",
+)
+
+
+def ipc_name(tag: str, name: str) -> str:
+    """A kvcached segment name for one engine (kvcached keeps letters, digits, ``_`` and ``-``)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", f"kvcached_sgl_{tag}_{name}")
+
+
+def engine_env(
+    name: str,
+    tag: str,
+    *,
+    site: str,
+    probe_prefix: str,
+    max_cached_tokens: int | None = None,
+) -> dict[str, str]:
+    """A kvcached engine's environment: kvcached on (its README's two variables), kvasync's
+    plugin inert, its own segment name, and where this bench finds its site and writes probes."""
+    env = {
+        "KVASYNC_SGLANG": "0",
+        "ENABLE_KVCACHED": "true",
+        "KVCACHED_AUTOPATCH": "1",
+        "KVCACHED_IPC_NAME": ipc_name(tag, name),
+        "KVCACHED_LOG_COLOR": "false",
+        SITE_ENV: site,
+        PROBE_ENV: probe_prefix,
+    }
+    if max_cached_tokens is not None:
+        env["KVCACHED_MAX_CACHED_TOKENS"] = str(max_cached_tokens)
+    return env
+
+
+def enter_if_kvcached(*, spawned: bool) -> bool:
+    """In a kvcached engine's processes, before SGLang is imported: kvcached's site and its .pth
+    hook, then this module's probe hook. ``spawned``: SGLang's own process (``__mp_main__``).
+    Does nothing where ``KVCACHED_BENCH_SITE`` is unset (stock and kvasync engines, the driver)."""
+    site = os.environ.get(SITE_ENV)
+    if not site:
+        return False
+    if not (pathlib.Path(site) / "kvcached_autopatch.pth").is_file():
+        raise RuntimeError(
+            f"kvcached is not built in {site} (no kvcached_autopatch.pth): see "
+            "bench/reference/build_kvcached.sh"
+        )
+    import site as site_module
+
+    # First on the path, so that its wrapt and posix_ipc win over others; a spawned process has
+    # it on sys.path already (multiprocessing passes the parent's), but not the hook: addsitedir
+    # runs the site's .pth files whether or not the folder is on the path.
+    if site not in sys.path:
+        sys.path.insert(0, site)
+    site_module.addsitedir(site)
+    prefix = os.environ.get(PROBE_ENV)
+    if prefix:
+        # Registered after the .pth's hook, so it runs after kvcached has patched (wrapt runs a
+        # module's hooks in order, and kvcached's own hook runs at once inside the first).
+        importer = importlib.import_module("wrapt.importer")  # kvcached's dependency, in its site
+        importer.when_imported("sglang")(lambda _module: _probe_hook(prefix, spawned))
+    return True
+
+
+def _probe_hook(prefix: str, spawned: bool) -> None:
+    write_probe(prefix, "spawned" if spawned else "engine", "at sglang's import")
+    if spawned:  # once the process's function is known (multiprocessing's bootstrap sets it)
+        threading.Thread(target=_late_probe, args=(prefix,), daemon=True).start()
+
+
+def _late_probe(prefix: str, within_s: float = 300.0) -> None:
+    import multiprocessing
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        target = getattr(multiprocessing.current_process(), "_target", None)
+        if target is not None:
+            role = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
+            write_probe(prefix, role, "after the process started")
+            return
+        time.sleep(0.1)
+
+
+def write_probe(prefix: str, role: str, when: str) -> None:
+    record = {"pid": os.getpid(), "role": role, "when": when, "wall": time.time(), **probe()}
+    path = pathlib.Path(f"{prefix}.{os.getpid()}.json")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record))
+    partial.replace(path)
+
+
+def probe(modules: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What kvcached patched, as this process's SGLang modules show it:
+
+    - ``bound``: for each ``sglang`` module, its globals bound to a class named ``Elastic*``
+      (kvcached's classes, under SGLang's names or their own), ``{module: {name: class}}``;
+    - ``stale``: modules that bind one of those SGLang names to a class that is not kvcached's
+      (a module that took SGLang's class before kvcached replaced it);
+    - ``marked``: ``module.Class.method`` (or ``module``) carrying a ``__kvcached_patched*``
+      marker, with the marker;
+    - ``patched``: whether kvcached's pool and allocator are bound under SGLang's names.
+    """
+    modules = dict(sys.modules) if modules is None else modules
+    bound: dict[str, dict[str, str]] = {}
+    marked: dict[str, list[str]] = {}
+    classes: dict[str, dict[str, Any]] = {}
+    for module_name, module in sorted(modules.items()):
+        if not (module_name == "sglang" or module_name.startswith("sglang.")) or module is None:
+            continue
+        names = getattr(module, "__dict__", {})
+        classes[module_name] = {}
+        for key, value in list(names.items()):
+            if key.startswith("__kvcached") and value is True:
+                marked.setdefault(module_name, []).append(key)
+            if not isinstance(value, type):
+                continue
+            classes[module_name][key] = value
+            if value.__name__.startswith("Elastic"):
+                bound.setdefault(module_name, {})[key] = value.__name__
+            if value.__module__ != module_name:
+                continue
+            for attr, member in list(vars(value).items()):
+                member = getattr(member, "__func__", member)
+                attrs = getattr(member, "__dict__", None)
+                marks = [m for m in attrs or () if m.startswith("__kvcached_patched")]
+                if marks and callable(member):
+                    marked[f"{module_name}.{key}.{attr}"] = marks
+    aliased = {key for names in bound.values() for key, cls in names.items() if key != cls}
+    stale = {
+        module_name: sorted(k for k, v in found.items() if k in aliased and v.__name__ == k)
+        for module_name, found in classes.items()
+    }
+    version = getattr(modules.get("sglang"), "__version__", None)
+    pool = bound.get("sglang.srt.mem_cache.memory_pool", {}).get("MHATokenToKVPool")
+    allocator = bound.get("sglang.srt.mem_cache.allocator", {}).get("PagedTokenToKVPoolAllocator")
+    return {
+        "sglang": version,
+        "bound": bound,
+        "stale": {k: v for k, v in stale.items() if v},
+        "marked": marked,
+        "patched": bool(pool and allocator),
+    }
+
+
+def read_probes(prefix: str) -> list[dict[str, Any]]:
+    """The probes the processes of one engine wrote (``prefix`` is its KVCACHED_BENCH_PROBE)."""
+    base = pathlib.Path(prefix)
+    found = []
+    for path in sorted(base.parent.glob(f"{base.name}.*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return found
+
+
+def summarize(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether kvcached's pool and allocator were in place in the scheduler process (the one whose
+    function is SGLang's ``run_scheduler_process``), and in the engine's own process."""
+    scheduler = [p for p in probes if "scheduler" in str(p.get("role", ""))]
+    engine = [p for p in probes if p.get("role") == "engine"]
+    return {
+        "scheduler_patched": bool(scheduler) and all(p.get("patched") for p in scheduler),
+        "engine_patched": bool(engine) and all(p.get("patched") for p in engine),
+        "processes": len({p.get("pid") for p in probes}),
+        "roles": sorted({str(p.get("role")) for p in probes}),
+        "stale": sorted(
+            {f"{m}.{k}" for p in scheduler for m, ks in p["stale"].items() for k in ks}
+        ),
+    }
+
+
+def log_lines(log: pathlib.Path, limit: int = 40) -> list[str]:
+    """What kvcached said in an engine's log about its patches and classes, each line once (the
+    log has every process of the engine: SGLang's spawned ones write to the same file)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    said: dict[str, None] = {}
+    for line in text.splitlines():
+        if "kvcached" in line.lower() and any(n.lower() in line.lower() for n in LOG_NEEDLES):
+            said.setdefault(line.strip()[:400])
+    return list(said)[:limit]
+
+
+def read_segment(name: str, shm_dir: pathlib.Path = SHM_DIR) -> dict[str, int] | None:
+    """kvcached's segment for one engine (its group-0 pool; ``_g<N>`` for others): total, used
+    and preallocated bytes; None while it is not there."""
+    found: dict[str, int] | None = None
+    for path in [shm_dir / name, *sorted(shm_dir.glob(f"{name}_g*"))]:
+        try:
+            raw = path.read_bytes()[:24]
+        except OSError:
+            continue
+        if len(raw) < 24:
+            continue
+        total, used, prealloc = struct.unpack("<qqq", raw)
+        found = found or {"total": 0, "used": 0, "prealloc": 0}
+        found["total"] += total
+        found["used"] += used
+        found["prealloc"] += prealloc
+    return found
+
+
+class KvcachedSampler(threading.Thread):
+    """The driver's view of kvcached engines' mapped KV (used + preallocated pages, GiB), from
+    their segments, every 100 ms: samples like LedgerSampler's (``mapped_gib`` by engine)."""
+
+    def __init__(self, segments: dict[str, str], period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.segments = segments  # engine name -> its KVCACHED_IPC_NAME
+        self.period = period
+        self.samples: list[dict[str, Any]] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            mapped = {}
+            for engine, name in self.segments.items():
+                segment = read_segment(name)
+                if segment is not None:
+                    mapped[engine] = (segment["used"] + segment["prealloc"]) / GIB
+            if mapped:
+                self.samples.append({"wall": time.time(), "mapped_gib": mapped})
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.stop_event.set()
+        self.join(5.0)
+        return self.samples
