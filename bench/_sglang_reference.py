@@ -38,6 +38,7 @@ total, used and preallocated bytes, three int64), by ``KvcachedSampler``.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -48,6 +49,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from _vllm_reference import BUILD_DEADLINE_S, DEFAULT_PACK, DEFAULT_SITE
 
 SITE_ENV = "KVCACHED_BENCH_SITE"  # kvcached's built site; set only for a kvcached engine
 PROBE_ENV = "KVCACHED_BENCH_PROBE"  # each process of that engine writes <this>.<pid>.json
@@ -94,6 +97,63 @@ def engine_env(
     if max_cached_tokens is not None:
         env["KVCACHED_MAX_CACHED_TOKENS"] = str(max_cached_tokens)
     return env
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """bench_sglang.py's options for kvcached."""
+    parser.add_argument(
+        "--kvcached-pack",
+        type=pathlib.Path,
+        default=DEFAULT_PACK,
+        help="kvcached's source and wheels (bench/reference/pack_kvcached.sh)",
+    )
+    parser.add_argument(
+        "--kvcached-site",
+        type=pathlib.Path,
+        default=DEFAULT_SITE,
+        help="where kvcached is built (bench/reference/build_kvcached.sh; a build of the same "
+        "commit there is kept)",
+    )
+    parser.add_argument("--kvcached-build-deadline-s", type=float, default=BUILD_DEADLINE_S)
+    parser.add_argument(
+        "--kvcached-max-cached-tokens",
+        type=int,
+        default=None,
+        help="kvcached's KVCACHED_MAX_CACHED_TOKENS, its cap on SGLang's radix cache after each "
+        "request (unset: kvcached's default, 16,000 tokens; -1: no cap, as stock)",
+    )
+
+
+def engine_env_in(
+    folder: pathlib.Path, name: str, tag: str, args: argparse.Namespace
+) -> dict[str, str]:
+    """``engine_env`` for an engine whose files are in ``folder`` (its probes too: stale ones
+    from an earlier run there are removed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = folder / f"{name}.kvcached-probe"
+    for stale in folder.glob(f"{prefix.name}.*"):
+        stale.unlink(missing_ok=True)
+    return engine_env(
+        name,
+        tag,
+        site=str(args.kvcached_site),
+        probe_prefix=str(prefix),
+        max_cached_tokens=args.kvcached_max_cached_tokens,
+    )
+
+
+def report(name: str, env: dict[str, str], log: pathlib.Path) -> dict[str, Any]:
+    """Whether kvcached patched an engine's SGLang, process by process (its probes), and what
+    kvcached logged on it; one line printed."""
+    probes = read_probes(env[PROBE_ENV])
+    summary = summarize(probes)
+    print(
+        f"{name}: kvcached's patches in the scheduler process: "
+        f"{'yes' if summary['scheduler_patched'] else 'NO'} ({summary['processes']} "
+        f"processes probed: {', '.join(summary['roles']) or 'none'})",
+        flush=True,
+    )
+    return {"summary": summary, "probes": probes, "log": log_lines(log)}
 
 
 def enter_if_kvcached(*, spawned: bool) -> bool:

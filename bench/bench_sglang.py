@@ -176,35 +176,10 @@ class Bench:
         return env
 
     def kvcached_env(self, folder: pathlib.Path, name: str) -> dict[str, str]:
-        """A kvcached engine's environment; its probes go to ``folder`` (stale ones removed)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        prefix = folder / f"{name}.kvcached-probe"
-        for stale in folder.glob(f"{prefix.name}.*"):
-            stale.unlink(missing_ok=True)
-        return kvcached_ref.engine_env(
-            name,
-            self.tag,
-            site=str(self.args.kvcached_site),
-            probe_prefix=str(prefix),
-            max_cached_tokens=self.args.kvcached_max_cached_tokens,
-        )
+        return kvcached_ref.engine_env_in(folder, name, self.tag, self.args)
 
     def kvcached_report(self, engine: Engine) -> dict[str, Any]:
-        """Whether kvcached patched this engine's SGLang, process by process (its probes), and what
-        kvcached logged on it."""
-        probes = kvcached_ref.read_probes(engine.spec["env"][kvcached_ref.PROBE_ENV])
-        summary = kvcached_ref.summarize(probes)
-        print(
-            f"{engine.name}: kvcached's patches in the scheduler process: "
-            f"{'yes' if summary['scheduler_patched'] else 'NO'} ({summary['processes']} "
-            f"processes probed: {', '.join(summary['roles']) or 'none'})",
-            flush=True,
-        )
-        return {
-            "summary": summary,
-            "probes": probes,
-            "log": kvcached_ref.log_lines(engine.log_path),
-        }
+        return kvcached_ref.report(engine.name, engine.spec["env"], engine.log_path)
 
     def save(self) -> None:
         (self.out / "bench_sglang.json").write_text(json.dumps(self.results, indent=1, default=str))
@@ -809,7 +784,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True)
-    parser.add_argument("--modes", nargs="+", default=["identity", "release"], choices=MODES)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        help="default: identity release (--candidate kvcached: identity two)",
+    )
     parser.add_argument(
         "--candidate",
         default="kvasync",
@@ -849,28 +829,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--vllm-site", default=os.environ.get("VLLM_SITE"), help="vLLM's packages (PYTHONPATH)"
     )
-    parser.add_argument(
-        "--kvcached-pack",
-        type=pathlib.Path,
-        default=HERE.parent.parent / "build" / "kvcached",
-        help="kvcached's source and wheels (bench/reference/pack_kvcached.sh)",
-    )
-    parser.add_argument(
-        "--kvcached-site",
-        type=pathlib.Path,
-        default=pathlib.Path.home() / "kvcached-site",
-        help="where kvcached is built (bench/reference/build_kvcached.sh; a build of the same "
-        "commit there is kept)",
-    )
-    parser.add_argument("--kvcached-build-deadline-s", type=float, default=300.0)
-    parser.add_argument(
-        "--kvcached-max-cached-tokens",
-        type=int,
-        default=None,
-        help="kvcached's KVCACHED_MAX_CACHED_TOKENS, its cap on SGLang's radix cache after each "
-        "request (unset: kvcached's default, 16,000 tokens; -1: no cap, as stock)",
-    )
+    kvcached_ref.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.modes is None:
+        args.modes = (
+            ["identity", "two"] if args.candidate == "kvcached" else ["identity", "release"]
+        )
     if args.two_variants is None:
         args.two_variants = (
             ["kvcached", "static-stock"]
