@@ -26,8 +26,24 @@ Modes (``--modes``, in order; each prints its table, and everything goes to ``--
   engine: ``shared`` (both in one kvasync share) against ``static`` (stock vLLM's
   ``kv_cache_memory_bytes`` and stock SGLang's ``max_total_tokens``, budget/2 each).
 
+``--candidate kvcached``: the reference allocator, kvcached (github.com/ovg-project/kvcached,
+built from source: bench/reference/README.md), in kvasync's place, in ``identity`` (the same
+``max_total_tokens`` as stock; its mapped KV from its shared-memory segment) and ``two`` (variant
+``kvcached``: each engine's capacity the whole budget, as kvcached shares none between engines;
+the most both map at once is the table's joint peak), with ``static-stock`` beside it. The other
+modes measure what only kvasync has. It is built before the first engine (``--kvcached-pack``,
+``--kvcached-site``; a build of the same commit is kept), and enabled as its README says
+(``ENABLE_KVCACHED=true KVCACHED_AUTOPATCH=1``; its import hook patches SGLang) in the engine's
+process and in the processes SGLang spawns, where its pool lives; whether the scheduler process
+was patched is probed and recorded (``kvcached`` in the mode's record; bench/_sglang_reference.py).
+kvcached caps SGLang's radix cache at 16,000 tokens by default (``--kvcached-max-cached-tokens``).
+kvasync's SGLang plugin is for SGLang 0.5.17; kvcached's last tested SGLang is 0.5.15.post1, so a
+kvcached run compares kvcached with stock on 0.5.15.post1.
+
 Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
     SGLANG_SITE=$HOME/ssite python3 bench/bench_sglang.py --out $OUT --modes identity release
+    SGLANG_SITE=$HOME/ssite515 python3 bench/bench_sglang.py --out $OUT --candidate kvcached \
+        --modes identity --prompts 64 --rounds 3
 """
 
 from __future__ import annotations
@@ -875,7 +891,7 @@ def main() -> None:
             print(f"kvcached build: {build.get('error') or build}", flush=True)
             if "error" in build:
                 bench.results.setdefault("failures", {})["kvcached-build"] = build["error"]
-                return
+                raise SystemExit(1)  # after the finally below has saved the results
         for mode in args.modes:
             print(f"== {mode} ({time.strftime('%H:%M:%S')})", flush=True)
             try:
