@@ -212,21 +212,33 @@ def write_probe(prefix: str, role: str, when: str) -> None:
     partial.replace(path)
 
 
+def _from_kvcached(obj: Any) -> bool:
+    """Whether a class or function is kvcached's: defined in its package (a class's module, or a
+    function's source file under a ``kvcached`` folder)."""
+    if isinstance(obj, type):
+        return obj.__module__.split(".")[0] == "kvcached"
+    code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+    return code is not None and "kvcached" in pathlib.PurePath(code.co_filename).parts[:-1]
+
+
 def probe(modules: dict[str, Any] | None = None) -> dict[str, Any]:
     """What kvcached patched, as this process's SGLang modules show it:
 
-    - ``bound``: for each ``sglang`` module, its globals bound to a class named ``Elastic*``
-      (kvcached's classes, under SGLang's names or their own), ``{module: {name: class}}``;
-    - ``stale``: modules that bind one of those SGLang names to a class that is not kvcached's
-      (a module that took SGLang's class before kvcached replaced it);
-    - ``marked``: ``module.Class.method`` (or ``module``) carrying a ``__kvcached_patched*``
-      marker, with the marker;
-    - ``patched``: whether kvcached's pool and allocator are bound under SGLang's names.
+    - ``bound``: for each ``sglang`` module, its globals bound to one of kvcached's classes (under
+      SGLang's names or their own), ``{module: {name: class}}``;
+    - ``stale``: modules, other than a class's own, that bind one of those SGLang names to SGLang's
+      class (they took it before kvcached bound its own, or import it from where it is defined);
+    - ``replaced``: ``module.Class.method`` of SGLang's classes that are now kvcached's functions
+      (its wrappers), each with the markers kvcached set on it;
+    - ``marked``: modules carrying kvcached's ``__kvcached*`` markers;
+    - ``patched``: whether kvcached's pool and paged allocator are bound under SGLang's names in
+      SGLang's memory pool and allocator modules.
     """
     modules = dict(sys.modules) if modules is None else modules
     bound: dict[str, dict[str, str]] = {}
+    replaced: dict[str, list[str]] = {}
     marked: dict[str, list[str]] = {}
-    classes: dict[str, dict[str, Any]] = {}
+    classes: dict[str, dict[str, type]] = {}
     for module_name, module in sorted(modules.items()):
         if not (module_name == "sglang" or module_name.startswith("sglang.")) or module is None:
             continue
@@ -237,31 +249,37 @@ def probe(modules: dict[str, Any] | None = None) -> dict[str, Any]:
                 marked.setdefault(module_name, []).append(key)
             if not isinstance(value, type):
                 continue
-            classes[module_name][key] = value
-            if value.__name__.startswith("Elastic"):
+            if _from_kvcached(value):
                 bound.setdefault(module_name, {})[key] = value.__name__
+                continue
+            classes[module_name][key] = value
             if value.__module__ != module_name:
                 continue
             for attr, member in list(vars(value).items()):
-                member = getattr(member, "__func__", member)
-                attrs = getattr(member, "__dict__", None)
-                marks = [m for m in attrs or () if m.startswith("__kvcached_patched")]
-                if marks and callable(member):
-                    marked[f"{module_name}.{key}.{attr}"] = marks
+                if callable(getattr(member, "__func__", member)) and _from_kvcached(member):
+                    found = getattr(getattr(member, "__func__", member), "__dict__", {})
+                    replaced[f"{module_name}.{key}.{attr}"] = sorted(
+                        m for m, v in found.items() if v is True
+                    )
     aliased = {key for names in bound.values() for key, cls in names.items() if key != cls}
     stale = {
-        module_name: sorted(k for k, v in found.items() if k in aliased and v.__name__ == k)
-        for module_name, found in classes.items()
+        module_name: sorted(
+            k
+            for k, v in found_classes.items()
+            if k in aliased and v.__name__ == k and v.__module__ != module_name
+        )
+        for module_name, found_classes in classes.items()
     }
     version = getattr(modules.get("sglang"), "__version__", None)
     pool = bound.get("sglang.srt.mem_cache.memory_pool", {}).get("MHATokenToKVPool")
     allocator = bound.get("sglang.srt.mem_cache.allocator", {}).get("PagedTokenToKVPoolAllocator")
     return {
         "sglang": version,
+        "patched": bool(pool and allocator),
         "bound": bound,
         "stale": {k: v for k, v in stale.items() if v},
+        "replaced": replaced,
         "marked": marked,
-        "patched": bool(pool and allocator),
     }
 
 

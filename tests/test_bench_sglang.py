@@ -97,22 +97,29 @@ def _module(name: str, **names: object) -> types.ModuleType:
     return module
 
 
-def test_probe_reads_bindings_markers_and_stale_names() -> None:
+def test_probe_reads_bindings_wrappers_and_stale_names() -> None:
     pool_mod = "sglang.srt.mem_cache.memory_pool"
     alloc_mod = "sglang.srt.mem_cache.allocator"
+    theirs = "kvcached.integration.sglang.patches"
     stock_pool = type("MHATokenToKVPool", (), {"__module__": pool_mod})
-    elastic_pool = type("ElasticMHATokenToKVPool", (stock_pool,), {"__module__": pool_mod})
-    stock_alloc = type("PagedTokenToKVPoolAllocator", (), {"__module__": alloc_mod})
-    elastic_alloc = type("ElasticPagedTokenToKVPoolAllocator", (stock_alloc,), {})
-
-    def leak_check(self: object) -> None:
-        pass
-
-    leak_check.__kvcached_patched_scheduler_memory_leak__ = True  # type: ignore[attr-defined]
+    elastic_pool = type("ElasticMHATokenToKVPool", (stock_pool,), {"__module__": theirs})
+    stock_alloc = type("PagedTokenToKVPoolAllocator", (), {"__module__": f"{alloc_mod}.paged"})
+    elastic_alloc = type(
+        "ElasticPagedTokenToKVPoolAllocator", (stock_alloc,), {"__module__": theirs}
+    )
+    # SGLang's own class whose name starts alike (elastic expert parallelism): not kvcached's
+    sglang_elastic = type("ElasticEPStateManager", (), {"__module__": "sglang.srt.elastic_ep"})
+    wrapper: dict[str, object] = {}
+    source = "def check(self):\n    pass\n"
+    exec(compile(source, "/site/kvcached/integration/sglang/patches.py", "exec"), wrapper)
+    check = wrapper["check"]
+    check.__kvcached_patched_scheduler_memory_leak__ = True  # type: ignore[attr-defined]
+    own: dict[str, object] = {}
+    exec(compile(source, "/site/sglang/srt/managers/scheduler.py", "exec"), own)
     scheduler = type(
         "Scheduler",
         (),
-        {"__module__": "sglang.srt.managers.scheduler", "check_memory": leak_check},
+        {"__module__": "sglang.srt.managers.scheduler", "check": check, "run": own["check"]},
     )
     modules: dict[str, object] = {
         "sglang": _module("sglang", __version__="0.5.15.post1"),
@@ -124,9 +131,15 @@ def test_probe_reads_bindings_markers_and_stale_names() -> None:
             PagedTokenToKVPoolAllocator=elastic_alloc,
             __kvcached_allocator_aliased__=True,
         ),
-        # took the stock class before kvcached bound its own
+        # where SGLang's class is defined: its own binding is not stale
+        f"{alloc_mod}.paged": _module(
+            f"{alloc_mod}.paged", PagedTokenToKVPoolAllocator=stock_alloc
+        ),
+        # took SGLang's class before kvcached bound its own
         "sglang.srt.model_executor.model_runner": _module(
-            "sglang.srt.model_executor.model_runner", MHATokenToKVPool=stock_pool
+            "sglang.srt.model_executor.model_runner",
+            MHATokenToKVPool=stock_pool,
+            ElasticEPStateManager=sglang_elastic,
         ),
         "sglang.srt.managers.scheduler": _module(
             "sglang.srt.managers.scheduler", Scheduler=scheduler
@@ -136,15 +149,20 @@ def test_probe_reads_bindings_markers_and_stale_names() -> None:
     found = ref.probe(modules)
     assert found["sglang"] == "0.5.15.post1"
     assert found["patched"] is True
-    assert found["bound"][pool_mod]["MHATokenToKVPool"] == "ElasticMHATokenToKVPool"
-    assert found["bound"][alloc_mod] == {
-        "PagedTokenToKVPoolAllocator": "ElasticPagedTokenToKVPoolAllocator"
+    assert found["bound"] == {
+        pool_mod: {
+            "MHATokenToKVPool": "ElasticMHATokenToKVPool",
+            "ElasticMHATokenToKVPool": "ElasticMHATokenToKVPool",
+        },
+        alloc_mod: {"PagedTokenToKVPoolAllocator": "ElasticPagedTokenToKVPoolAllocator"},
     }
     assert found["stale"] == {"sglang.srt.model_executor.model_runner": ["MHATokenToKVPool"]}
-    assert found["marked"][alloc_mod] == ["__kvcached_allocator_aliased__"]
-    assert found["marked"]["sglang.srt.managers.scheduler.Scheduler.check_memory"] == [
-        "__kvcached_patched_scheduler_memory_leak__"
-    ]
+    assert found["marked"] == {alloc_mod: ["__kvcached_allocator_aliased__"]}
+    assert found["replaced"] == {
+        "sglang.srt.managers.scheduler.Scheduler.check": [
+            "__kvcached_patched_scheduler_memory_leak__"
+        ]
+    }
     del modules[alloc_mod]
     assert ref.probe(modules)["patched"] is False
 
@@ -306,8 +324,9 @@ def test_kvcached_is_in_the_spawned_scheduler_process(tmp_path: pathlib.Path) ->
         {
             "wrapt/__init__.py": "",
             "wrapt/importer.py": FAKE_WRAPT,
-            "fake_kvcached_hook.py": FAKE_HOOK,
-            "kvcached_autopatch.pth": "import fake_kvcached_hook\n",
+            "kvcached/__init__.py": "",
+            "kvcached/stand_in.py": FAKE_HOOK,
+            "kvcached_autopatch.pth": "import kvcached.stand_in\n",
         },
     )
     sglang_site = tmp_path / "sglang-site"
@@ -339,6 +358,10 @@ def test_kvcached_is_in_the_spawned_scheduler_process(tmp_path: pathlib.Path) ->
     report = bench.kvcached_report(engine)
     roles = {p["role"]: p for p in report["probes"]}
     assert roles["engine"]["patched"], report
+    assert roles["engine"]["bound"]["sglang.srt.mem_cache.memory_pool"] == {
+        "ElasticMHATokenToKVPool": "ElasticMHATokenToKVPool",
+        "MHATokenToKVPool": "ElasticMHATokenToKVPool",
+    }
     scheduler = roles["sglang.srt.managers.scheduler.run_scheduler_process"]
     assert scheduler["patched"] and scheduler["pid"] != roles["engine"]["pid"]
     assert scheduler["sglang"] == "0.0.test"
