@@ -319,16 +319,7 @@ def _write(root: pathlib.Path, files: dict[str, str]) -> None:
 
 def test_kvcached_is_in_the_spawned_scheduler_process(tmp_path: pathlib.Path) -> None:
     site = tmp_path / "kvcached-site"
-    _write(
-        site,
-        {
-            "wrapt/__init__.py": "",
-            "wrapt/importer.py": FAKE_WRAPT,
-            "kvcached/__init__.py": "",
-            "kvcached/stand_in.py": FAKE_HOOK,
-            "kvcached_autopatch.pth": "import kvcached.stand_in\n",
-        },
-    )
+    _stand_in_kvcached(site)
     sglang_site = tmp_path / "sglang-site"
     _write(sglang_site, FAKE_SGLANG)
     out = tmp_path / "out"
@@ -370,6 +361,56 @@ def test_kvcached_is_in_the_spawned_scheduler_process(tmp_path: pathlib.Path) ->
     assert report["summary"]["scheduler_patched"] is True
     assert report["log"] == ["[kvcached] Successfully patched sglang: stand-in"]
     assert json.loads(engine.result_path.read_text()) == {"rounds": [], "outputs": []}
+
+
+def _stand_in_kvcached(site: pathlib.Path) -> None:
+    _write(
+        site,
+        {
+            "wrapt/__init__.py": "",
+            "wrapt/importer.py": FAKE_WRAPT,
+            "kvcached/__init__.py": "",
+            "kvcached/stand_in.py": FAKE_HOOK,
+            "kvcached_autopatch.pth": "import kvcached.stand_in\n",
+        },
+    )
+
+
+def test_mode_two_runs_kvcached_engines_and_records_their_probes(tmp_path: pathlib.Path) -> None:
+    """``two`` with the stand-ins, whose Engine cannot serve: each variant's failure is recorded
+    (at the warm-up), and each kvcached engine's probes are in the record."""
+    _stand_in_kvcached(tmp_path / "kvcached-site")
+    _write(tmp_path / "sglang-site", FAKE_SGLANG)
+    args = bench_sglang.parse_args(
+        [
+            "--out",
+            str(tmp_path / "out"),
+            "--candidate",
+            "kvcached",
+            "--modes",
+            "two",
+            "--kvcached-site",
+            str(tmp_path / "kvcached-site"),
+            "--sglang-site",
+            str(tmp_path / "sglang-site"),
+            "--bursts",
+            "1",
+            "--burst-requests",
+            "2",
+        ]
+    )
+    bench = bench_sglang.Bench(args)
+    bench.mode_two()
+    record = bench.results["two"]
+    assert set(record) >= {"kvcached", "static-stock"}
+    assert "warm" in record["kvcached"]["failure"]
+    reports = record["kvcached"]["kvcached"]
+    assert sorted(reports) == ["kvcached_A", "kvcached_B"]
+    assert all(r["summary"]["scheduler_patched"] for r in reports.values())
+    assert "kvcached" not in record["static-stock"]
+    spec = json.loads((bench.work / "two" / "kvcached_A.spec.json").read_text())
+    assert spec["engine_args"]["max_total_tokens"] == 6 * 2**30 // (32 * 1024)  # all the budget
+    assert spec["env"]["KVCACHED_IPC_NAME"].endswith("kvcached_A")
 
 
 def test_a_stock_engine_never_sees_kvcached(
