@@ -187,17 +187,18 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init([](std::shared_ptr<Backend> backend, int64_t num_blocks,
                        int64_t blocks_per_page, int64_t limit_pages, int64_t reserve_low,
                        int64_t reserve_high, double default_timeout_s, int64_t block_bytes,
-                       int64_t page_bytes, std::shared_ptr<ShareMember> share) {
+                       int64_t page_bytes, std::shared_ptr<ShareMember> share, double linger_s) {
              PoolConfig config{num_blocks, blocks_per_page, limit_pages,
                                reserve_low, reserve_high, default_timeout_s};
              config.block_bytes = block_bytes;
              config.page_bytes = page_bytes;
+             config.linger_s = linger_s;
              return new PoolHandle(PagePool::create(std::move(backend), config, std::move(share)));
            }),
            py::arg("backend"), py::arg("num_blocks"), py::arg("blocks_per_page"),
            py::arg("limit_pages"), py::arg("reserve_low"), py::arg("reserve_high"),
            py::arg("default_timeout_s"), py::kw_only(), py::arg("block_bytes") = 0,
-           py::arg("page_bytes") = 0, py::arg("share") = nullptr)
+           py::arg("page_bytes") = 0, py::arg("share") = nullptr, py::arg("linger_s") = 0.0)
       .def("alloc",
            [](PoolHandle& pool, int64_t n, double deadline) -> py::object {
              auto result = pool->alloc(n, deadline);

@@ -77,11 +77,31 @@ bool LimitPolicy::hold_lapsed(Clock::time_point now) {
   return true;
 }
 
-int64_t LimitPolicy::reserve_to_keep(Clock::time_point now, int64_t min_page_blocks) const {
+void LimitPolicy::observe_in_use(Clock::time_point now, int64_t in_use) {
+  if (linger_ == Clock::duration::zero()) return;
+  if (linger_restart_) {
+    linger_restart_ = false;
+    linger_until_ = now + linger_;
+  } else if (now >= linger_until_) {
+    linger_peak_ = in_use;  // lapsed: the peak starts again from what is in use now
+  }
+  linger_armed_ = now < linger_until_ && linger_peak_ > in_use;
+}
+
+bool LimitPolicy::linger_lapsed(Clock::time_point now) {
+  if (!linger_armed_ || now < linger_until_) return false;
+  linger_armed_ = false;
+  return true;
+}
+
+int64_t LimitPolicy::reserve_to_keep(Clock::time_point now, int64_t min_page_blocks,
+                                     int64_t in_use) const {
   if (pressure_) return 0;  // the reserve goes back to the member short of budget
   const int64_t held =
       now < hold_until_ ? (hold_blocks_ + min_page_blocks - 1) / min_page_blocks : 0;
-  return std::max(reserve_high_, held);
+  const int64_t lingering =
+      now < linger_until_ ? std::max<int64_t>(0, linger_peak_ - in_use) : 0;
+  return std::max({reserve_high_, held, lingering});
 }
 
 int64_t LimitPolicy::refill_wanted(int64_t have, int64_t headroom) const {

@@ -34,6 +34,16 @@
 //      nobody: any alloc may take those pages. The reserve keeps them only for kNowaitHold after
 //      the last miss, so that the retry finds them, and a caller that never comes back costs
 //      nothing for long (the idle mapper re-checks, and unmaps them once the hold lapses).
+//    - The linger: an engine's load comes in rounds and bursts with short gaps, and a reserve
+//      cut to reserve_high at each gap makes the next burst map again what the last one just
+//      gave back, while the engine admits requests (on the H200, vLLM's 1B rounds of 1.4 s ran
+//      0.865x stock, each growing mapped KV from 2 to 6 GiB: bench/results/2026-12-03.md). With
+//      a linger (PoolConfig::linger_s > 0), the pages in use at the recent peak stay mapped for
+//      the linger after use starts to fall (the first unmap decision after the peak starts it),
+//      then what is in use then becomes the peak. Nothing lingers under the share's pressure
+//      (the pages go to the member short of budget), over a lowered limit (the drain and the
+//      unmaps of the pages over it come first), nor through trim(). The idle mapper re-checks,
+//      so what lingered goes back within a poll of the linger's end. Off (0) by default.
 //    - The drain (was Note [Drain]): a limit lowered below what is mapped can unmap at once only
 //      pages that are wholly free, and blocks of a busy engine are spread over many pages that
 //      rarely empty by themselves. So the highest mapped pages over the limit drain
@@ -89,8 +99,12 @@ class LimitPolicy {
   static constexpr auto kRegrowHold = std::chrono::milliseconds(300);
   static constexpr int64_t kNoCap = INT64_MAX;
 
-  LimitPolicy(int64_t limit_pages, int64_t reserve_low, int64_t reserve_high)
-      : configured_(limit_pages), reserve_low_(reserve_low), reserve_high_(reserve_high) {
+  LimitPolicy(int64_t limit_pages, int64_t reserve_low, int64_t reserve_high,
+              Clock::duration linger = Clock::duration::zero())
+      : configured_(limit_pages),
+        reserve_low_(reserve_low),
+        reserve_high_(reserve_high),
+        linger_(linger) {
     update();
   }
 
@@ -104,6 +118,16 @@ class LimitPolicy {
   void nowait_missed(int64_t blocks, Clock::time_point now);
   void nowait_served(int64_t blocks);
   bool hold_lapsed(Clock::time_point now);  // true once, when a hold has just lapsed
+  // The linger: pages in use rose to `in_use` (called as pages go into use; no clock read).
+  void in_use_rose(int64_t in_use) {
+    if (linger_ > Clock::duration::zero() && in_use > linger_peak_) {
+      linger_peak_ = in_use;
+      linger_restart_ = true;
+    }
+  }
+  // Before each decision on what to keep: starts the linger after a new peak, ends a lapsed one.
+  void observe_in_use(Clock::time_point now, int64_t in_use);
+  bool linger_lapsed(Clock::time_point now);  // true once, when a linger has just lapsed
   void trimmed() { refill_paused_ = true; }
   void demanded() { refill_paused_ = false; }
 
@@ -114,8 +138,9 @@ class LimitPolicy {
   int64_t share_cap() const { return share_cap_; }  // kNoCap when none
   // `committed`: pages mapping, mapped or unmapping. Negative when over the limit.
   int64_t headroom(int64_t committed) const { return limit_ - committed; }
-  // Pages of the reserve that stay; `min_page_blocks` converts the hold's blocks to pages.
-  int64_t reserve_to_keep(Clock::time_point now, int64_t min_page_blocks) const;
+  // Pages of the reserve that stay; `min_page_blocks` converts the hold's blocks to pages;
+  // `in_use`: pages in use now (what the linger keeps is the recent peak less these).
+  int64_t reserve_to_keep(Clock::time_point now, int64_t min_page_blocks, int64_t in_use) const;
   // Pages a refill should map now, given the reserve (`have`: free pages and refills in flight).
   int64_t refill_wanted(int64_t have, int64_t headroom) const;
 
@@ -150,6 +175,11 @@ class LimitPolicy {
   int64_t reserve_low_, reserve_high_;
   int64_t hold_blocks_ = 0;
   Clock::time_point hold_until_{};
+  Clock::duration linger_;
+  int64_t linger_peak_ = 0;  // pages in use at the recent peak
+  bool linger_restart_ = false;  // a new peak, its linger not started yet
+  bool linger_armed_ = false;  // pages linger now: the idle mapper must re-check at the end
+  Clock::time_point linger_until_{};
   bool refill_paused_ = false;
   int64_t drain_from_ = kNoDrain;
 };

@@ -58,6 +58,15 @@ std::pair<int64_t, int64_t> page_blocks(int64_t page, int64_t block_bytes, int64
 
 // Pages up to the last one holding a whole block below num_blocks (0 when the geometry is bad;
 // the constructor says why).
+// Note [Limit policy]: the linger, checked before the policy holds it (a day at most).
+Clock::duration linger_duration(double seconds) {
+  if (!(seconds >= 0.0 && seconds <= 86400.0)) {
+    throw std::invalid_argument("linger_s must be between 0 and 86400 seconds, got " +
+                                std::to_string(seconds));
+  }
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 int64_t page_count(const PoolConfig& config) {
   const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
   if (block_bytes <= 0 || page_bytes <= 0 || config.num_blocks <= 0 ||
@@ -156,7 +165,8 @@ PagePool::PagePool(std::shared_ptr<Backend> backend, PoolConfig config)
       unmapped_(std::max<int64_t>(page_count(config), 1)),
       reserve_(std::max<int64_t>(page_count(config), 1)),
       with_free_(std::max<int64_t>(page_count(config), 1)),
-      policy_(config.limit_pages, config.reserve_low, config.reserve_high) {
+      policy_(config.limit_pages, config.reserve_low, config.reserve_high,
+              linger_duration(config.linger_s)) {
   const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
   const int64_t num_pages = page_count(config);
   if (num_pages <= 0) {
@@ -291,6 +301,7 @@ void PagePool::set_state(int64_t page, PageState state) {
   if (state == PageState::kFree) reserve_.insert(page);
   if (state == PageState::kUnmapped) unmapped_.insert(page);
   p.state = state;
+  if (state == PageState::kInUse) policy_.in_use_rose(count_[static_cast<int>(state)]);
 }
 
 void PagePool::add_mapped_blocks(int64_t page) {
@@ -482,7 +493,10 @@ void PagePool::plan_unmaps() {
   }
   const int64_t reserve = count_[(int)PageState::kFree];
   // Note [Limit policy]: what of the reserve stays (none under the share's pressure).
-  const int64_t keep = policy_.reserve_to_keep(Clock::now(), min_page_blocks_);
+  const auto now = Clock::now();
+  const int64_t in_use = count_[(int)PageState::kInUse];
+  policy_.observe_in_use(now, in_use);
+  const int64_t keep = policy_.reserve_to_keep(now, min_page_blocks_, in_use);
   const int64_t excess = std::min(reserve, std::max(reserve - keep, over_limit));
   if (excess <= 0) return;
   std::vector<int64_t> pages = highest_reserve(excess);
@@ -977,7 +991,10 @@ std::vector<Job> PagePool::next_batch() {
   current_job_.reset();
   const auto now = Clock::now();
   // Note [Limit policy]: once the nowait hold lapses, what nobody claimed is trimmed as usual.
-  if (policy_.hold_lapsed(now)) plan_unmaps();
+  // And once a linger lapses, what lingered goes back.
+  const bool hold_lapsed = policy_.hold_lapsed(now);
+  const bool linger_lapsed = policy_.linger_lapsed(now);
+  if (hold_lapsed || linger_lapsed) plan_unmaps();
   // Note [Mapper deadlines]: jobs already too late to help anyone never reach the backend.
   // Deadline order puts them all at the front.
   std::vector<Job> expired;

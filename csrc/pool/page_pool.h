@@ -116,6 +116,9 @@ struct PoolConfig {
   int64_t reserve_low = 0;
   int64_t reserve_high = 0;
   double default_timeout_s = 5.0;
+  // Note [Limit policy]: the linger, seconds the pages in use at a recent peak stay mapped after
+  // use falls; 0: none (the reserve goes down to reserve_high at once).
+  double linger_s = 0.0;
   // Note [Blocks and pages]: with block_bytes > 0, a block takes block_bytes in each range and a
   // page page_bytes, which need not be a multiple of it.
   int64_t block_bytes = 0;

@@ -200,6 +200,7 @@ class Allocator:
             block_bytes=layout.range_block_bytes,
             page_bytes=page_size,
             share=self._join_share(),
+            linger_s=config.linger,
         )
         self._buffers = buffer_views(layout, self._backend, config.max_blocks)
         self._pending: dict[int, _Pending] = {}

@@ -37,6 +37,11 @@ class Config:
             of it, a page maps the smallest multiple of page_size that loses less
             (``KVLayout.page_unit``; Note [Blocks across page boundaries]).
         reserve_pages: (low, high) watermarks of mapped-free pages kept ready; (0, 0) = none.
+        linger: seconds the pages in use at a recent peak stay mapped after use falls, so that
+            a load in bursts with short gaps does not map again at each burst what it gave back
+            at the gap (Note [Limit policy], the linger); 0 = none: the reserve goes down to its
+            high watermark at once. Nothing lingers under a share's pressure, over a lowered
+            limit, or through ``trim()``.
         default_timeout: seconds a call waits when it is given no timeout or deadline.
         zero_on_alloc: hand out blocks that read as zeros.
         faults: a ``kvasync.testing.FaultInjector`` acting inside the mapper thread.
@@ -66,6 +71,7 @@ class Config:
     memory_limit: int | None = None
     page_size: int | None = None
     reserve_pages: tuple[int, int] = (1, 4)
+    linger: float = 0.0
     default_timeout: float = 5.0
     zero_on_alloc: bool = False
     faults: FaultInjector | None = None
@@ -107,6 +113,10 @@ class Config:
                 f"got {self.page_size!r}"
             )
         store("reserve_pages", self._check_reserve_pages())
+        linger = _validate.seconds(self.linger, "Config.linger")
+        if linger > 86400.0:
+            raise ValueError(f"Config.linger must be at most 86400 seconds, got {self.linger!r}")
+        store("linger", linger)
         timeout = _validate.seconds(self.default_timeout, "Config.default_timeout", positive=True)
         store("default_timeout", timeout)
         stall = _validate.seconds(self.stall_warning, "Config.stall_warning", positive=True)

@@ -22,6 +22,7 @@ MEMORY_LIMIT = "KVASYNC_MEMORY_LIMIT"
 NAME = "KVASYNC_NAME"
 PREFIX_CACHE = "KVASYNC_PREFIX_CACHE"
 HOST_POOL = "KVASYNC_VLLM_HOST_POOL"
+LINGER = "KVASYNC_LINGER"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PluginSettings:
             stay mapped; None = all that the budget allows (vLLM's own behaviour).
         host_pool: the scheduler's pool opens its own host-backend allocator when no worker
             registered one (vLLM's scheduler tests, which run with no worker).
+        linger: seconds the KV pages in use at a recent peak stay mapped after use falls
+            (``Config.linger``; ``KVASYNC_LINGER``, e.g. ``2`` or ``2s``); 0 = none.
     """
 
     enabled: bool
@@ -47,6 +50,7 @@ class PluginSettings:
     name: str | None = None
     prefix_cache_bytes: int | None = None
     host_pool: bool = False
+    linger: float = 0.0
 
     @property
     def capacity_bytes(self) -> int:
@@ -83,6 +87,22 @@ def _size(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}: {error}") from None
 
 
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return 0.0
+    number = text[:-1] if text.endswith("s") else text
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be a number of seconds (e.g. 2 or 2s), got {text!r}"
+        ) from None
+    if not 0.0 <= value <= 86400.0:  # NaN fails too
+        raise ValueError(f"{name} must be between 0 and 86400 seconds, got {text!r}")
+    return value
+
+
 def read_settings(env: Mapping[str, str] | None = None, *, switch: str = ENABLE) -> PluginSettings:
     """The settings in ``env`` (``os.environ`` when None).
 
@@ -117,4 +137,5 @@ def read_settings(env: Mapping[str, str] | None = None, *, switch: str = ENABLE)
         name=env.get(NAME) or None,
         prefix_cache_bytes=prefix_bytes,
         host_pool=_flag(env.get(HOST_POOL, "0"), HOST_POOL),
+        linger=_seconds(env, LINGER),
     )

@@ -220,6 +220,7 @@ def open_kv_buffers(pool: Any, settings: PluginSettings) -> EngineKV:
         name=base.name,
         default_timeout=base.default_timeout,
         reserve_pages=reserve_pages_for(layout, page_bytes, headroom),
+        linger=settings.linger,
     )
     kv = open_allocator_sync(layout, config)
     try:

@@ -99,6 +99,7 @@ def open_scheduler_engine(
         name=name,
         default_timeout=_JOIN_TIMEOUT,
         reserve_pages=reserve,
+        linger=settings.linger,
         tensor_parallel=TensorParallel(
             group or group_name_for(os.getpid()),
             num_ranks,

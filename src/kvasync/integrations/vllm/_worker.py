@@ -302,6 +302,7 @@ def allocate_kv_cache_tensors(
         name=name,
         default_timeout=_OPEN_TIMEOUT,
         reserve_pages=reserve,
+        linger=settings.linger,
     )
     kv = open_allocator_sync(layout, config)
     try:
