@@ -100,7 +100,9 @@ def containers(data: bytes | bytearray, start: int, size: int) -> Iterable[list[
         if eend > end:
             raise ValueError(f"container at {pos - start:#x} runs past the section")
         while epos < eend:
-            kind, _v, eheader, payload, _c, _u, _minor, _major, arch = _ENTRY.unpack_from(data, epos)
+            kind, _v, eheader, payload, _c, _u, _minor, _major, arch = _ENTRY.unpack_from(
+                data, epos
+            )
             if kind not in (KIND_PTX, KIND_ELF) or eheader < _ENTRY.size:
                 raise ValueError(f"unexpected entry kind {kind} at {epos - start:#x}")
             entries.append(Entry(kind, arch, epos + eheader, payload))

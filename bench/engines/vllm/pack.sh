@@ -13,8 +13,8 @@
 #
 # What travels (STACK=carried): vLLM's wheel without the kernels a dense model on Hopper does not
 # load (fa2, the Rust front end, deep_gemm, the sm100 fmha, flashmla, qutlass, flashkda,
-# deepselect, the Swagger bundle; fa3 too unless FA3=1, since the bench's default backend is
-# TRITON_ATTN); torch (without headers, cmake files and protoc); Triton (without CUPTI, the
+# deepselect, the Swagger bundle; fa3, for FLASH_ATTN, about 12 MiB of xz, stays unless FA3=0);
+# torch (without headers, cmake files and protoc); Triton (without CUPTI, the
 # Blackwell ptxas, the instrumentation library, proton and the AMD libraries; debug info
 # stripped); libnccl.so.2 (debug info stripped); torchvision at vLLM's pin (so that the image's,
 # built for its own torch, is never imported); and the small pure packages vLLM imports that the
@@ -26,7 +26,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 VER=${1:-0.33.0}
 STACK=${STACK:-carried}
-FA3=${FA3:-0}
+FA3=${FA3:-1}
 PART_MIB=${PART_MIB:-52}
 ARCH=${ARCH:-90}
 XZ_LEVEL=${XZ_LEVEL:-9}

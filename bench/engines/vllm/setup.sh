@@ -5,7 +5,8 @@
 # libraries the site does not carry into its nvidia/ folder (STACK=carried), and imports torch,
 # Triton and vLLM from it, printing their versions. Then use the site with
 #   PYTHONPATH=$VSITE PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 VLLM_USE_FLASHINFER_SAMPLER=0 python3 ...
-# PYTHON (default python3) is the image's interpreter; CHECK=0 skips the import check.
+# PYTHON (default python3) is the image's interpreter; CHECK=0 skips the import check, CHECK=only
+# runs it alone on a site already unpacked.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=/dev/null
@@ -14,6 +15,9 @@ VST=${VST:-$HOME/vst-$VER}
 VSITE=${VSITE:-$HOME/vsite-$VER}
 PY=${PYTHON:-python3}
 t0=$(date +%s)
+check_only=0
+[ "${CHECK:-1}" != only ] || check_only=1
+if [ $check_only = 0 ]; then
 mkdir -p "$VST"
 cp "$here"/part.* "$VST/"
 (cd "$VST" && sha256sum --quiet -c "$here/SHA256SUMS") || {
@@ -38,7 +42,8 @@ if [ "$STACK" = carried ]; then
   done
 fi
 echo "setup: $VSITE unpacked in $(($(date +%s) - t0)) s ($(du -sh "$VSITE" | cut -f1))"
-[ "${CHECK:-1}" = 1 ] || exit 0
+fi
+[ "${CHECK:-1}" != 0 ] || exit 0
 cd / && PYTHONPATH=$VSITE PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 "$PY" - <<'PY'
 import torch, triton
 print("torch", torch.__version__, torch.__file__, "cuda", torch.version.cuda)
