@@ -40,20 +40,22 @@ done
 # A stub libcuda.so.1 that defines every driver symbol the site's libraries ask for.
 mkdir -p "$tmp/stub"
 VST=$tmp/vst VSITE=$tmp/site PYTHON=$PYTHON CHECK=0 bash "$last/setup.sh"
-find "$tmp/site" -name '*.so*' -type f -print0 |
-  xargs -0 -n 50 sh -c 'for f; do readelf -d "$f" 2>/dev/null | grep -q "libcuda.so.1" &&
-    readelf -W --dyn-syms "$f" | awk '\''$7=="UND" {print $8}'\''; done' sh |
-  sed 's/@.*//' | grep -E '^cu[A-Z]' | sort -u |
-  awk '{print "int " $1 "(void) { return 100; }"}' > "$tmp/stub/stub.c"
+for f in $(find "$tmp/site" -name '*.so*' -type f); do
+  if readelf -d "$f" 2>/dev/null | grep -q "libcuda.so.1"; then
+    readelf -W --dyn-syms "$f" | awk '$7=="UND" {print $8}' | sed 's/@.*//' | grep -E '^cu[A-Z]' || true
+  fi
+done | sort -u | awk '{print "int " $1 "(void) { return 100; }"}' > "$tmp/stub/stub.c"
 echo "int cuInit(void) { return 100; } int cuDriverGetVersion(int *v) { *v = 0; return 100; }" >> "$tmp/stub/stub.c"
 sort -u -o "$tmp/stub/stub.c" "$tmp/stub/stub.c"
 gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$tmp/stub/libcuda.so.1" "$tmp/stub/stub.c"
 export LD_LIBRARY_PATH=$tmp/stub${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 VST=$tmp/vst VSITE=$tmp/site PYTHON=$PYTHON CHECK=only bash "$last/setup.sh"
 # The import check setup.sh runs on the device, then the modules of an offline engine's path.
-cd "$tmp" && PYTHONPATH=$tmp/site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 "$PYTHON" - "$tmp/site" <<'PY'
+cd "$tmp" && PYTHONPATH=$tmp/site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 "$PYTHON" - "$tmp/site" "$(sed -n 's/^STACK=//p' "$last/pack.env")" <<'PY'
 import importlib, sys, traceback
-site = sys.argv[1]
+site, stack = sys.argv[1], sys.argv[2]
+# What must come from the site: all four with the carried stack, vLLM alone with the image's.
+ours = ("torch", "triton", "vllm", "torchvision") if stack == "carried" else ("vllm",)
 import torch, triton
 print("torch", torch.__version__, "from", torch.__file__)
 print("triton", triton.__version__, "from", triton.__file__)
@@ -79,10 +81,12 @@ for name in ["vllm._moe_C_stable_libtorch", "vllm.cumem_allocator", "vllm.vllm_f
         traceback.print_exc(limit=-2)
 ops = [torch.ops._C.rms_norm, torch.ops._C_cache_ops.reshape_and_cache_flash]
 print("ops ok:", [str(o) for o in ops])
-outside = sorted({m.split(".")[0] for m, mod in sys.modules.items()
-                  if m.split(".")[0] in ("torch", "triton", "vllm", "torchvision")
-                  and mod is not None and getattr(mod, "__file__", None)
-                  and not mod.__file__.startswith(site)})
+# Modules of these packages loaded from a file outside the site (torch.ops' namespaces have a
+# made-up __file__ that is no path: those are left out).
+outside = sorted(m for m, mod in sys.modules.items()
+                 if m.split(".")[0] in ours
+                 and mod is not None and str(getattr(mod, "__file__", None) or "").startswith("/")
+                 and not str(mod.__file__).startswith(site))
 print("from the image instead of the site:", outside or "none")
 sys.exit(1 if failed or outside else 0)
 PY
