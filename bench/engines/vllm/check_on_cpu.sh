@@ -71,7 +71,8 @@ for name in ["vllm._moe_C_stable_libtorch", "vllm.cumem_allocator", "vllm.vllm_f
              "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
              "vllm.model_executor.models.llama", "vllm.v1.attention.backends.triton_attn",
              "vllm.v1.attention.backends.flash_attn", "vllm.v1.worker.gpu_worker",
-             "vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler", "torchvision"]:
+             "vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler",
+             *(["torchvision"] if stack == "carried" else [])]:
     try:
         importlib.import_module(name)
         print("ok", name)
