@@ -95,6 +95,15 @@ def test_a_malformed_size_names_its_variable() -> None:
         read_settings({"KVASYNC_DEVICE_BUDGET": "12GiB"})
 
 
+def test_the_linger_comes_from_the_environment_in_seconds() -> None:
+    assert read_settings({"KVASYNC_VLLM": "1"}).linger == 0.0
+    assert read_settings({"KVASYNC_VLLM": "1", "KVASYNC_LINGER": "2"}).linger == 2.0
+    assert read_settings({"KVASYNC_VLLM": "1", "KVASYNC_LINGER": "0.5s"}).linger == 0.5
+    for bad in ("soon", "-1", "nan", "1e9"):
+        with pytest.raises(ValueError, match="KVASYNC_LINGER"):
+            read_settings({"KVASYNC_VLLM": "1", "KVASYNC_LINGER": bad})
+
+
 def test_no_size_is_refused_with_the_variables_to_set() -> None:
     with pytest.raises(ValueError, match="KVASYNC_MEMORY_LIMIT or KVASYNC_DEVICE_BUDGET"):
         _ = read_settings({"KVASYNC_VLLM": "1"}).capacity_bytes
