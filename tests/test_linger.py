@@ -7,6 +7,7 @@ Real allocators on the host backend (memfd + mmap), a real ledger file for the s
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -55,6 +56,24 @@ async def test_pages_of_the_peak_stay_mapped_and_serve_the_next_burst_without_a_
         again = kv.alloc_nowait(3 * BLOCKS_PER_PAGE)  # no WouldBlock: all three still mapped
         assert kv.stats().maps_done == maps
         kv.free(again)
+
+
+async def test_a_peak_reached_again_starts_its_linger_again() -> None:
+    # Bursts that each reach the same peak, with gaps far shorter than the linger, for longer
+    # than one linger: every burst finds its pages mapped (a linger counted from the first peak
+    # alone would lapse halfway and the next burst would miss).
+    linger = 2.0
+    async with kvasync.open_allocator(LAYOUT, config(linger)) as kv:
+        kv.free(await kv.alloc(3 * BLOCKS_PER_PAGE))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 1.5 * linger
+        bursts = 0
+        while loop.time() < end:
+            kv.free(kv.alloc_nowait(3 * BLOCKS_PER_PAGE))  # WouldBlock: the linger lapsed
+            bursts += 1
+            await asyncio.sleep(0.02)  # the gap between bursts (the scenario, not a settle)
+        assert bursts > 10
+        assert kv.stats().unmaps_done == 0
 
 
 async def test_the_linger_keeps_the_peak_only_less_what_is_in_use() -> None:

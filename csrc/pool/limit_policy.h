@@ -39,8 +39,8 @@
 //      gave back, while the engine admits requests (on the H200, vLLM's 1B rounds of 1.4 s ran
 //      0.865x stock, each growing mapped KV from 2 to 6 GiB: bench/results/2026-12-03.md). With
 //      a linger (PoolConfig::linger_s > 0), the pages in use at the recent peak stay mapped for
-//      the linger after use starts to fall (the first unmap decision after the peak starts it),
-//      then what is in use then becomes the peak. Nothing lingers under the share's pressure
+//      the linger after the peak was last reached (the first unmap decision after it starts
+//      the linger), then what is in use then becomes the peak. Nothing lingers under the share's pressure
 //      (the pages go to the member short of budget), over a lowered limit (the drain and the
 //      unmaps of the pages over it come first), nor through trim(). The idle mapper re-checks,
 //      so what lingered goes back within a poll of the linger's end. Off (0) by default.
@@ -118,9 +118,10 @@ class LimitPolicy {
   void nowait_missed(int64_t blocks, Clock::time_point now);
   void nowait_served(int64_t blocks);
   bool hold_lapsed(Clock::time_point now);  // true once, when a hold has just lapsed
-  // The linger: pages in use rose to `in_use` (called as pages go into use; no clock read).
+  // The linger: pages in use rose to `in_use` (called as pages go into use; no clock read). The
+  // peak reached again starts its linger again.
   void in_use_rose(int64_t in_use) {
-    if (linger_ > Clock::duration::zero() && in_use > linger_peak_) {
+    if (linger_ > Clock::duration::zero() && in_use >= linger_peak_) {
       linger_peak_ = in_use;
       linger_restart_ = true;
     }
