@@ -410,6 +410,9 @@ class Run:
         if kind == "kvcached":
             return reference.engine_env(name, self.tag)
         env = {"KVASYNC_NAME": name, "KVASYNC_PREFIX_CACHE": "0"}
+        linger = getattr(self.args, "linger", None)  # bench_vllm.py --linger
+        if linger:
+            env["KVASYNC_LINGER"] = f"{linger:g}"
         if limit:
             env["KVASYNC_MEMORY_LIMIT"] = limit
         if share:

@@ -459,6 +459,12 @@ def main() -> None:
         default=["stock", "kvasync", "stock", "kvasync"],
         help="identity: the engines in order (stock|kvasync|kvcached, optionally -uni|-mp)",
     )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="KVASYNC_LINGER for every kvasync engine: seconds the recent peak stays mapped",
+    )
     parser.add_argument("--with-mp", action="store_true", help="identity: add kvasync-mp")
     parser.add_argument("--rounds", type=int, default=3, help="identity: rounds per engine")
     parser.add_argument(
