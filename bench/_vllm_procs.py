@@ -422,6 +422,24 @@ class Run:
         return env
 
 
+def die_with_parent() -> None:
+    """An SGLang engine child ends when its driver does, however the driver ends: a driver
+    killed by a device call's limit left both engines running, holding GPU memory (seen on the
+    H200, 2026-12-03). Linux's parent-death signal; elsewhere, nothing. (The vLLM child watches
+    its parent instead: ``_vllm_child.run_child``.) Call it on the child's main thread, before
+    anything else: the signal follows the thread that spawned the child, here the driver's."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the driver died while the signal was being asked for
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def variant_parts(variant: str, default_executor: str) -> tuple[str, str]:
     """``kvasync-mp`` -> (``kvasync``, ``mp``); ``stock`` -> (``stock``, the default)."""
     kind, _, executor = variant.partition("-")

@@ -876,7 +876,9 @@ def plans_kvcached(args: argparse.Namespace) -> bool:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         import _sglang_child
+        from _vllm_procs import die_with_parent
 
+        die_with_parent()
         _sglang_child.main(sys.argv[2])
         return
     args = parse_args()

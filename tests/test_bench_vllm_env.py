@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
+import signal
+import subprocess
 import sys
+import time
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
@@ -30,3 +35,45 @@ def test_no_linger_asked_none_set(tmp_path, monkeypatch) -> None:
     for options in ({"linger": 0.0}, {}):
         run = run_with(tmp_path, monkeypatch, **options)
         assert "KVASYNC_LINGER" not in run.env("kvasync", "a", limit="38GiB")
+
+
+def test_a_child_that_asked_ends_when_its_driver_is_killed() -> None:
+    # A driver (a real process) starts a child in its own session that calls die_with_parent
+    # and then waits; once the child says so, the driver is killed with SIGKILL, and the child
+    # must end within the deadline (without it, it would sleep on for two minutes).
+    child_code = (
+        f"import sys, time; sys.path.insert(0, {str(BENCH)!r}); "
+        "from _vllm_procs import die_with_parent; die_with_parent(); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    driver_code = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child_code!r}], start_new_session=True); "
+        "print(p.pid, flush=True); time.sleep(120)"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", driver_code], stdout=subprocess.PIPE, text=True
+    )
+    assert driver.stdout is not None
+    child_pid = int(driver.stdout.readline())
+    try:
+        assert driver.stdout.readline().strip() == "ready"  # the driver's pipe is the child's too
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 30.0
+        while not _gone(child_pid):
+            assert time.monotonic() < deadline, "the child outlived its killed driver"
+            time.sleep(0.01)  # polling under a deadline for the event expected
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child_pid, signal.SIGKILL)
+        driver.kill()
+        driver.wait(timeout=30)
+        driver.stdout.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return "Z (zombie)" in pathlib.Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
