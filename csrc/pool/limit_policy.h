@@ -40,10 +40,11 @@
 //      0.865x stock, each growing mapped KV from 2 to 6 GiB: bench/results/2026-12-03.md). With
 //      a linger (PoolConfig::linger_s > 0), the pages in use at the recent peak stay mapped for
 //      the linger after the peak was last reached (the first unmap decision after it starts
-//      the linger), then what is in use then becomes the peak. Nothing lingers under the share's pressure
-//      (the pages go to the member short of budget), over a lowered limit (the drain and the
-//      unmaps of the pages over it come first), nor through trim(). The idle mapper re-checks,
-//      so what lingered goes back within a poll of the linger's end. Off (0) by default.
+//      the linger), then what is in use then becomes the peak. Nothing lingers under the
+//      share's pressure (the pages go to the member short of budget), over a lowered limit (the
+//      drain and the unmaps of the pages over it come first), nor through trim(). The idle
+//      mapper re-checks, so what lingered goes back within a poll of the linger's end. Off (0)
+//      by default.
 //    - The drain (was Note [Drain]): a limit lowered below what is mapped can unmap at once only
 //      pages that are wholly free, and blocks of a busy engine are spread over many pages that
 //      rarely empty by themselves. So the highest mapped pages over the limit drain

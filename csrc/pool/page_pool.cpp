@@ -56,8 +56,6 @@ std::pair<int64_t, int64_t> page_blocks(int64_t page, int64_t block_bytes, int64
   return {first, std::max(first, end)};
 }
 
-// Pages up to the last one holding a whole block below num_blocks (0 when the geometry is bad;
-// the constructor says why).
 // Note [Limit policy]: the linger, checked before the policy holds it (a day at most).
 Clock::duration linger_duration(double seconds) {
   if (!(seconds >= 0.0 && seconds <= 86400.0)) {
@@ -67,6 +65,8 @@ Clock::duration linger_duration(double seconds) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
+// Pages up to the last one holding a whole block below num_blocks (0 when the geometry is bad;
+// the constructor says why).
 int64_t page_count(const PoolConfig& config) {
   const auto [block_bytes, page_bytes] = block_and_page_bytes(config);
   if (block_bytes <= 0 || page_bytes <= 0 || config.num_blocks <= 0 ||
