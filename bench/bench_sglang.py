@@ -40,6 +40,11 @@ kvcached caps SGLang's radix cache at 16,000 tokens by default (``--kvcached-max
 kvasync's SGLang plugin is for SGLang 0.5.17; kvcached's last tested SGLang is 0.5.15.post1, so a
 kvcached run compares kvcached with stock on 0.5.15.post1.
 
+``--linger SECONDS``: ``KVASYNC_LINGER`` for every kvasync SGLang engine of every mode (as
+``bench_vllm.py --linger`` for vLLM's): the pages in use at a recent peak stay mapped that long
+after use falls. Off (0) by default, and then no engine gets the variable: each engine's
+``KVASYNC_*`` are its own, never the driver's. The vLLM engine of ``mixed`` is not given it.
+
 Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
     SGLANG_SITE=$HOME/ssite python3 bench/bench_sglang.py --out $OUT --modes identity release
     SGLANG_SITE=$HOME/ssite515 python3 bench/bench_sglang.py --out $OUT --candidate kvcached \
@@ -183,6 +188,8 @@ class Bench:
         self, name: str, *, share: str | None, budget: int | None, limit: int | None
     ) -> dict[str, str]:
         env = {"KVASYNC_SGLANG": "1", "KVASYNC_NAME": name}
+        if self.args.linger:  # as bench_vllm.py --linger: the engine's own, not the driver's
+            env["KVASYNC_LINGER"] = f"{self.args.linger:g}"
         if share:
             env["KVASYNC_SHARE"] = share
         if budget is not None:
@@ -837,6 +844,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "static-stock)",
     )
     parser.add_argument("--mixed-variants", nargs="+", default=["shared", "static"])
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="KVASYNC_LINGER for every kvasync SGLang engine: seconds the recent peak stays "
+        "mapped (0: none, and none set; a KVASYNC_LINGER in the driver's environment never "
+        "reaches an engine)",
+    )
     parser.add_argument(
         "--sglang-site",
         default=os.environ.get("SGLANG_SITE"),

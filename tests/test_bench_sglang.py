@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+import subprocess
 import sys
 import textwrap
 import time
@@ -439,3 +440,53 @@ def test_a_stock_engine_never_sees_kvcached(
         engine.kill()
     assert not list(folder.glob("leak.*"))
     assert "this_module_does_not_exist" not in engine.log_path.read_text()
+
+
+class _Spawned:
+    """What ``subprocess.Popen`` was given for an engine child; starts nothing."""
+
+    def __init__(self, command: list[str], **options: object) -> None:
+        self.command = command
+        self.options = options
+        self.pid = 0
+        spawned.append(self)
+
+
+spawned: list[_Spawned] = []
+
+
+@pytest.mark.parametrize(
+    ("option", "linger"), [([], None), (["--linger", "2"], "2"), (["--linger", "0.5"], "0.5")]
+)
+def test_linger_reaches_kvasync_engines_only(
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    option: list[str],
+    linger: str | None,
+) -> None:
+    """``--linger`` is in the environment every kvasync engine child is started with (and in its
+    spec), in no stock engine's, and without ``--linger`` in none: a ``KVASYNC_LINGER`` left in
+    the driver's environment never reaches an engine."""
+    monkeypatch.setenv("KVASYNC_LINGER", "9")
+    monkeypatch.setattr(subprocess, "Popen", _Spawned)
+    spawned.clear()
+    args = bench_sglang.parse_args(["--out", str(tmp_path / "out"), *option])
+    bench = bench_sglang.Bench(args)
+    folder = bench.work / "two"
+    for name, env in (
+        ("shared", bench.kvasync_env("a", share="s", budget=2**30, limit=None)),
+        ("static", bench.kvasync_env("b", share=None, budget=None, limit=2**29)),
+        ("stock", {"KVASYNC_SGLANG": "0"}),
+    ):
+        engine = bench.spawn(folder, name, "trace", env)
+        engine._log.close()
+        child_env = spawned[-1].options["env"]
+        assert isinstance(child_env, dict)
+        if name == "stock" or linger is None:
+            assert "KVASYNC_LINGER" not in child_env
+            assert "KVASYNC_LINGER" not in engine.spec["env"]
+        else:
+            assert child_env["KVASYNC_LINGER"] == linger
+            assert engine.spec["env"]["KVASYNC_LINGER"] == linger
+            assert child_env["KVASYNC_SGLANG"] == "1"
+    assert len(spawned) == 3

@@ -27,7 +27,7 @@ from conftest import wait_until_sync
 
 from kvasync.integrations import sglang as plugin
 from kvasync.integrations.sglang import _seams
-from kvasync.integrations.sglang._kv import engine_of
+from kvasync.integrations.sglang._kv import detach, engine_of
 from kvasync.integrations.sglang._seams import Seam, UnsupportedSGLang
 
 try:
@@ -205,6 +205,41 @@ def test_the_pool_buffers_are_views_over_the_kvasync_range_shaped_as_stock(
             assert ours.data_ptr() == base.data_ptr()
             assert ours.untyped_storage().nbytes() == base.untyped_storage().nbytes()
             assert pool.get_key_buffer(index).data_ptr() == pool.k_buffer[index].data_ptr()
+
+
+@needs_sglang
+@pytest.mark.parametrize(("value", "linger"), [(None, 0.0), ("2", 2.0), ("1.5s", 1.5)])
+def test_kvasync_linger_at_register_is_the_pool_allocators_linger(
+    monkeypatch: pytest.MonkeyPatch, pool: Any, value: str | None, linger: float
+) -> None:
+    """``KVASYNC_LINGER`` in the environment SGLang's ``register()`` sees (where the plugin reads
+    its settings, as in an engine's scheduler process) is the ``Config.linger`` of the allocator
+    its pool hook opens; unset, none. The hook is called on a pool whose own engine is taken off
+    first; the registry is left as it was."""
+    for name in list(os.environ):
+        if name.startswith("KVASYNC_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVASYNC_SGLANG", "1")
+    monkeypatch.setenv("KVASYNC_MEMORY_LIMIT", "1GiB")
+    if value is not None:
+        monkeypatch.setenv("KVASYNC_LINGER", value)
+    target = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal"
+    before = {name: list(hooks) for name, hooks in HookRegistry._hooks.items()}
+    try:
+        plugin.register()
+        added = HookRegistry._hooks[target][len(before.get(target, [])) :]
+    finally:
+        for name in list(HookRegistry._hooks):  # the registry is process-wide
+            HookRegistry._hooks[name] = before.get(name, [])
+    assert len(added) == 1
+    first = detach(pool)
+    assert first is not None
+    first.close()
+    added[0][1](lambda _pool: None, pool)  # the AROUND hook, as SGLang calls it
+    engine = engine_of(pool)
+    assert engine is not None and engine is not first
+    assert engine.settings.linger == linger
+    assert engine.allocator.config.linger == linger
 
 
 @needs_sglang
