@@ -42,8 +42,8 @@ kvcached run compares kvcached with stock on 0.5.15.post1.
 
 ``--linger SECONDS``: ``KVASYNC_LINGER`` for every kvasync SGLang engine of every mode (as
 ``bench_vllm.py --linger`` for vLLM's): the pages in use at a recent peak stay mapped that long
-after use falls. Off (0) by default, and then no engine gets the variable: each engine's
-``KVASYNC_*`` are its own, never the driver's. The vLLM engine of ``mixed`` is not given it.
+after use falls, also for the vLLM engine of ``mixed``. Off (0) by default, and then no engine gets
+the variable: each engine's ``KVASYNC_*`` are its own, never the driver's.
 
 Run on the device (see bench/engines/sglang/README.md for carrying SGLang there):
     SGLANG_SITE=$HOME/ssite python3 bench/bench_sglang.py --out $OUT --modes identity release
@@ -637,6 +637,25 @@ class Bench:
 
     # -- a vLLM engine and an SGLang engine on one share ----------------------------------------
 
+    def mixed_vllm_env(self, share: str | None, budget: int) -> dict[str, str]:
+        """The environment of mixed's vLLM engine: in ``share`` (of ``budget`` bytes) through
+        kvasync's vLLM plugin, lingering as the run's kvasync SGLang engines do; stock without."""
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+        if self.args.vllm_site:
+            env["PYTHONPATH"] = self.args.vllm_site
+        if share is None:
+            env["KVASYNC_VLLM"] = "0"
+            return env
+        env.update(
+            KVASYNC_NAME="vllm",
+            KVASYNC_PREFIX_CACHE="0",
+            KVASYNC_SHARE=share,
+            KVASYNC_DEVICE_BUDGET=f"{budget // 2**20}MiB",
+        )
+        if self.args.linger:
+            env["KVASYNC_LINGER"] = f"{self.args.linger:g}"
+        return env
+
     def mode_mixed(self) -> None:
         """Bursts alternate between a vLLM engine (0.26, kvasync's vLLM plugin) and an SGLang
         engine; ``shared``: both in one kvasync share of ``--budget-gib``; ``static``: stock
@@ -656,18 +675,7 @@ class Bench:
             share = f"sgl-mixed-{self.tag}"
             trace_go = folder / f"{variant}.trace_go"
             trace_go.unlink(missing_ok=True)
-            venv = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
-            if args.vllm_site:
-                venv["PYTHONPATH"] = args.vllm_site
-            if shared:
-                venv.update(
-                    KVASYNC_NAME="vllm",
-                    KVASYNC_PREFIX_CACHE="0",
-                    KVASYNC_SHARE=share,
-                    KVASYNC_DEVICE_BUDGET=f"{budget // 2**20}MiB",
-                )
-            else:
-                venv["KVASYNC_VLLM"] = "0"
+            venv = self.mixed_vllm_env(share if shared else None, budget)
             vspec = {
                 "kind": "kvasync" if shared else "stock",
                 "task": "trace",
@@ -848,9 +856,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--linger",
         type=float,
         default=0.0,
-        help="KVASYNC_LINGER for every kvasync SGLang engine: seconds the recent peak stays "
-        "mapped (0: none, and none set; a KVASYNC_LINGER in the driver's environment never "
-        "reaches an engine)",
+        help="KVASYNC_LINGER for every kvasync engine (mixed's vLLM one too): seconds the "
+        "recent peak stays mapped (0: none, and none set; a KVASYNC_LINGER in the driver's "
+        "environment never reaches an engine)",
     )
     parser.add_argument(
         "--sglang-site",

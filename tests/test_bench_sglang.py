@@ -490,3 +490,8 @@ def test_linger_reaches_kvasync_engines_only(
             assert engine.spec["env"]["KVASYNC_LINGER"] == linger
             assert child_env["KVASYNC_SGLANG"] == "1"
     assert len(spawned) == 3
+    # mixed's vLLM engine: in the share it lingers alike; stock never gets the variable
+    shared_vllm = bench.mixed_vllm_env("s", 2**30)
+    assert shared_vllm.get("KVASYNC_LINGER") == linger
+    assert shared_vllm["KVASYNC_SHARE"] == "s"
+    assert "KVASYNC_LINGER" not in bench.mixed_vllm_env(None, 2**30)
