@@ -72,6 +72,8 @@ for name in ["vllm._moe_C_stable_libtorch", "vllm.cumem_allocator", "vllm.vllm_f
              "vllm.model_executor.models.llama", "vllm.v1.attention.backends.triton_attn",
              "vllm.v1.attention.backends.flash_attn", "vllm.v1.worker.gpu_worker",
              "vllm.v1.worker.gpu_model_runner", "vllm.v1.core.sched.scheduler",
+             # every model load reaches it (0.33: log_online_quantization)
+             "vllm.model_executor.layers.quantization.online.base",
              *(["torchvision"] if stack == "carried" else [])]:
     try:
         importlib.import_module(name)

@@ -72,8 +72,10 @@ skip=('vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/vllm-rs' 'vllm/third_part
 unzip -q "$vllm_whl" -d "$site" -x "${skip[@]}"
 
 # The small packages vLLM imports on an offline LLM's path (and its server's) that the image lacks.
+# loguru: compressed-tensors imports it at module level, and 0.33's model loader imports
+# compressed-tensors on every load (a pack without it failed every engine's start on the H200).
 extras=(cachetools blake3 pydantic pydantic-core annotated-types typing-inspection msgspec pyzmq cbor2
-  pybase64 ijson setproctitle compressed-tensors==0.17.0 depyf==0.20.0 astor dill partial-json-parser
+  pybase64 ijson setproctitle compressed-tensors==0.17.0 loguru==0.7.3 depyf==0.20.0 astor dill partial-json-parser
   python-json-logger watchfiles "openai>=2,<3" jiter distro sniffio "fastapi>=0.133,<0.137"
   "starlette>=1.0.1" uvicorn uvloop lark==1.2.2 diskcache jsonschema referencing rpds-py
   jsonschema-specifications outlines_core==0.2.14 lm-format-enforcer==0.11.3 interegular
@@ -82,14 +84,15 @@ extras=(cachetools blake3 pydantic pydantic-core annotated-types typing-inspecti
   prometheus-fastapi-instrumentator oss-harmony llguidance==1.6.1 xgrammar==0.2.8 apache-tvm-ffi==0.1.11)
 ew=$w/extras-$VER
 mkdir -p "$ew"
-if [ ! -e "$ew/.done" ]; then
+# The marker holds the list it was downloaded for: a package added to the list is fetched next time.
+if [ "$(cat "$ew/.done" 2>/dev/null)" != "${extras[*]}" ]; then
   for p in "${extras[@]}"; do
     pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_26_x86_64 \
       --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform any -d "$ew" "$p" 2>&1 |
       grep -v -i "location\|warn" || true
   done
-  touch "$ew/.done"
+  echo "${extras[*]}" > "$ew/.done"
 fi
 for f in "$ew"/*.whl; do unzip -q -o "$f" -d "$site"; done
 
