@@ -141,6 +141,53 @@ def test_register_without_a_size_refuses_at_server_args_naming_the_variables(
         HookRegistry._hooks[target] = before  # the registry is process-wide
 
 
+@needs_sglang
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"KVASYNC_SGLANG": "1", "KVASYNC_MEMORY_LIMIT": "12 gigs"}, "KVASYNC_MEMORY_LIMIT"),
+        ({"KVASYNC_MEMORY_LIMIT": "12 gigs"}, "KVASYNC_MEMORY_LIMIT"),  # asked by the size
+        ({"KVASYNC_DEVICE_BUDGET": "4GiB"}, "KVASYNC_DEVICE_BUDGET needs KVASYNC_SHARE"),
+        ({"KVASYNC_SGLANG": "1", "KVASYNC_LINGER": "soon"}, "KVASYNC_LINGER"),
+    ],
+)
+def test_a_malformed_variable_refuses_the_start_rather_than_running_stock(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str
+) -> None:
+    """SGLang's loader logs a plugin's exception and starts stock SGLang: a malformed variable
+    must not reach it, but refuse the start at ServerArgs, naming the variable."""
+    for name in list(os.environ):
+        if name.startswith("KVASYNC_"):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    target = "sglang.srt.server_args.ServerArgs.__post_init__"
+    before = list(HookRegistry._hooks.get(target, []))
+    plugin.register()  # raises nothing
+    added = HookRegistry._hooks.get(target, [])[len(before) :]
+    try:
+        assert len(added) == 1
+        with pytest.raises(UnsupportedSGLang, match=match):
+            added[0][1](object())
+    finally:
+        HookRegistry._hooks[target] = before  # the registry is process-wide
+
+
+@needs_sglang
+def test_a_malformed_variable_with_the_switch_off_stays_inert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVASYNC_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("KVASYNC_SGLANG", "0")
+    monkeypatch.setenv("KVASYNC_MEMORY_LIMIT", "12 gigs")
+    before = {target: list(hooks) for target, hooks in HookRegistry._hooks.items()}
+    plugin.register()
+    after = {target: list(hooks) for target, hooks in HookRegistry._hooks.items() if hooks}
+    assert after == {t: h for t, h in before.items() if h}
+
+
 # -- the pool and the allocator ----------------------------------------------------------------
 
 

@@ -69,7 +69,16 @@ _STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.Scheduler
 def register() -> None:
     """SGLang's entry point: inert unless asked for; else checks, then hooks (Note [SGLang
     seams], Note [Refusing at start])."""
-    settings = read_settings(switch=SGLANG_ENABLE)
+    try:
+        settings = read_settings(switch=SGLANG_ENABLE)
+    except ValueError as error:
+        # SGLang's plugin loader logs a plugin's exception and starts stock SGLang: a malformed
+        # KVASYNC_* variable would then run the engine without kvasync, unnoticed. It refuses
+        # the start instead, unless the switch turns the plugin off.
+        switch = os.environ.get(SGLANG_ENABLE)
+        if switch is None or switch.strip().lower() not in ("0", "false", "no", "off", ""):
+            _refuse(str(error))
+        return
     if not settings.enabled:
         return
     try:
