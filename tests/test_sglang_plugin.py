@@ -512,6 +512,50 @@ def test_pressure_evicts_unused_prefixes_on_draining_pages(pool: Any) -> None:
     assert kv.stats().mapped_pages == 1
 
 
+@needs_sglang
+def test_a_limit_fallen_between_the_count_and_the_alloc_evicts_unused_prefixes_for_it(
+    pool: Any,
+) -> None:
+    """SGLang counts ``available_size()`` and then allocates; an alloc that returns None is its
+    fatal "out of memory" error. When the limit falls in between, the alloc evicts the radix
+    cache's unused prefixes for what kvasync refused and takes their pages."""
+    ours = plugin_allocator(pool)
+    kv = engine_of(pool).allocator
+    per_page = kv.page_size // kv.layout.block_bytes  # SGLang pages a kvasync page
+    cache = cache_over(ours)
+    cache_pages(cache, ours, requests=2, pages=per_page)  # two kvasync pages' worth, unused
+    ours.maintain(cache, [])  # a scheduler step: the allocator learns the radix cache
+    assert ours.available_size() >= per_page * PAGE  # the count SGLang admits on
+    # Now the limit falls to the pages mapped (page 0's, and the cached prefixes'): kvasync has
+    # fewer than per_page free blocks left, so the counted alloc needs evicted prefixes' pages.
+    kv.resize(memory_limit=3 * kv.stats().page_bytes, timeout=10.0)
+    assert kv.available_blocks() < per_page
+    slots = ours.alloc(per_page * PAGE)
+    assert slots is not None and len(slots) == per_page * PAGE
+    assert 0 < ours.num_evicted_for_alloc <= per_page * PAGE
+    assert ours.num_failed_allocs == 0
+    assert kv.stats().mapped_pages <= 3  # within the lowered limit
+    ours.free(slots)
+
+
+@needs_sglang
+def test_an_alloc_kvasync_refuses_with_nothing_to_evict_is_none_and_logged(
+    pool: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvasync.integrations.sglang import _allocator
+
+    monkeypatch.setattr(_allocator, "_MAP_WAIT", 0.2)  # the wait for budget a neighbour frees
+    ours = plugin_allocator(pool)
+    kv = engine_of(pool).allocator
+    per_page = kv.page_size // kv.layout.block_bytes
+    ours.maintain(cache_over(ours), [])  # an empty radix cache: nothing to evict
+    kv.resize(memory_limit=kv.stats().page_bytes, timeout=10.0)  # page 0's page only
+    with caplog.at_level(logging.WARNING, logger="kvasync.sglang"):
+        assert ours.alloc(per_page * PAGE) is None  # SGLang's own out-of-memory path
+    assert ours.num_failed_allocs == 1 and ours.num_evicted_for_alloc == 0
+    assert any("alloc of" in r.getMessage() for r in caplog.records)
+
+
 def ignored_free_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()

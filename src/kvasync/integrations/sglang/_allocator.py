@@ -18,10 +18,12 @@ must be what the allocator can hand out:
   makes rare (it keeps a step's pages mapped ahead: ``_kv``). The pages then go to SGLang's own
   kernels in ``free_pages``, as stock's do. The count was within the limit, so the wait ends
   when the pages are mapped; it fails only on a map error (the device has no memory left
-  outside the share's accounting) or when the limit fell between the count and the alloc. Then
-  the radix cache's unused prefixes are evicted to make up for it (their pages come back here)
-  and, only when that is not enough, the alloc returns None: SGLang's own out-of-memory error,
-  with a line here that says why.
+  outside the share's accounting) or when the limit fell between the count and the alloc.
+  kvasync having fewer pages than were counted means the latter: the radix cache's unused
+  prefixes are evicted for the difference first (their pages come back here), and outside a
+  share, where no neighbour can give budget back, nothing waits at the limit. After a map error
+  they are evicted too, and the alloc tried once more. Only when that is not enough does the
+  alloc return None: SGLang's own out-of-memory error, with a line here that says why.
 - Every free goes through ``_release_page_ids`` (stock's one funnel) and back to kvasync at once,
   with the scheduler stream as its fence, so freed pages are unmapped as kvasync's reserve policy
   says and a neighbour in the share can have them. Only the pages SGLang holds go back (Note [A
@@ -86,7 +88,7 @@ from typing import Any, cast
 
 import torch
 
-from ..._errors import AllocatorClosed, KVAsyncError, OutOfBlocks, WouldBlock
+from ..._errors import AllocatorClosed, KVAsyncError, WouldBlock
 from ._kv import engine_of, open_bookkeeping_engine
 
 __all__ = ["allocator_class", "maintain"]
@@ -151,10 +153,12 @@ def _build_class() -> type:
             self._errors = 0
             self._next_maintain = 0.0
             self._stream: Any = None  # the scheduler's forward stream, once a step has seen it
+            self._tree_cache: Any = None  # the scheduler's radix cache, once a step has seen it
             self.num_map_waits = 0
             self.map_wait_seconds = 0.0
             self.num_failed_allocs = 0
             self.num_evicted_for_pressure = 0
+            self.num_evicted_for_alloc = 0  # cached tokens evicted for an alloc kvasync refused
             self.num_ignored_free_pages = 0  # freed while SGLang did not hold them: ignored
             super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
@@ -221,34 +225,45 @@ def _build_class() -> type:
             short = pages - len(self.free_pages)
             if short <= 0:
                 return True
-            got = self._from_kvasync(short)
+            # SGLang counted these pages on available_size(); fewer now means the limit fell
+            # since (or a neighbour's share grew): unused prefixes go first, not a wait.
+            evicted = self._evict_for(short - self._available_blocks())
+            got, error = self._from_kvasync(short)
+            closed = isinstance(error, AllocatorClosed)
+            # a map error: the cached prefixes' pages can make up for it
+            if got is None and not evicted and not closed and self._evict_for(short):
+                got, error = self._from_kvasync(short)
             if got is None:
                 self.num_failed_allocs += 1
+                if error is not None:
+                    self._log_error(
+                        f"alloc of {short} pages (after evicting the radix cache's unused "
+                        f"prefixes: {self.num_evicted_for_alloc} tokens so far)",
+                        error,
+                    )
                 return False
             self._held.update(got)
             fresh = torch.tensor(got, dtype=torch.int64).to(self.device, non_blocking=True)
             self.free_pages = torch.cat((self.free_pages, fresh))
             return True
 
-        def _from_kvasync(self, n: int) -> list[int] | None:
+        def _from_kvasync(self, n: int) -> tuple[list[int] | None, KVAsyncError | None]:
+            """``n`` pages from kvasync, or None and why (logged by the caller, once)."""
             try:
-                return self._kv.alloc_nowait(n)
-            except WouldBlock:
-                pass  # the map of what is missing started; wait for it below
-            except OutOfBlocks as error:
-                self._log_error(f"alloc of {n} pages", error)
-                return None
+                return self._kv.alloc_nowait(n), None
+            except WouldBlock as error:
+                # The map of what is missing started: wait for it below, unless the limit
+                # binds and no neighbour can give budget back (no share): then waiting would
+                # only stall SGLang's scheduler thread for nothing.
+                if self._engine.settings.share is None and self._available_blocks() < n:
+                    return None, error
             except KVAsyncError as error:
-                self._log_error(f"alloc of {n} pages", error)
-                return None
+                return None, error
             started = time.monotonic()
             try:
                 got = self._kv.alloc(n, timeout=_MAP_WAIT)
             except KVAsyncError as error:
-                self._log_error(
-                    f"alloc of {n} pages (waited {time.monotonic() - started:.3f} s)", error
-                )
-                return None
+                return None, error
             waited = time.monotonic() - started
             self.num_map_waits += 1
             self.map_wait_seconds += waited
@@ -262,7 +277,27 @@ def _build_class() -> type:
                     self.num_map_waits,
                     self.map_wait_seconds,
                 )
-            return got
+            return got, None
+
+        def _available_blocks(self) -> int:
+            try:
+                return int(self._kv.available_blocks())
+            except KVAsyncError:
+                return 1 << 62  # closed: the alloc says so, and nothing is evicted for it
+
+        def _evict_for(self, pages: int) -> bool:
+            """After kvasync refused ``pages`` that SGLang's count had (a map error, or the limit
+            fell between the count and the alloc: Note [SGLang's count and kvasync's pages]):
+            evicts that many pages' tokens of the radix cache's unused prefixes, whose pages go
+            back to kvasync. Whether anything was evicted."""
+            cache = self._tree_cache
+            evictable = _evictable_tokens(cache) if pages > 0 else 0
+            if not evictable:
+                return False
+            tokens = min(evictable, pages * int(self.page_size))
+            cache.evict(evict_params(num_tokens=tokens))
+            self.num_evicted_for_alloc += tokens
+            return True
 
         # -- frees ----------------------------------------------------------------------------
 
@@ -343,6 +378,7 @@ def _build_class() -> type:
             queued there when it was freed)."""
             if stream is not None and self._engine.fence is not None:
                 self._stream = stream
+            self._tree_cache = tree_cache
             now = time.monotonic()
             if now < self._next_maintain or self._engine.closed:
                 return
