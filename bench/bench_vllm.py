@@ -1,5 +1,6 @@
-"""vLLM 0.26 with kvasync's plugin against stock vLLM, on one GPU, in one call: outputs, throughput,
-start time, memory over time, seed A, a neighbour's release, two engines on one budget.
+"""vLLM (0.26.0 to 0.33.0) with kvasync's plugin against stock vLLM, on one GPU, in one call:
+outputs, throughput, start time, memory over time, seed A, a neighbour's release, two engines on
+one budget.
 
 Every engine is its own process (``--child``, bench/_vllm_child.py) on a Llama-architecture 1B
 config with random weights (no weights can be fetched; every engine gets the same seed), greedy,

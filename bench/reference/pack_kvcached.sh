@@ -9,16 +9,28 @@
 # kvcached engine). No kvcached code enters this repository: it is built from its own source, for
 # the benchmark only.
 #
-# Run from the project root on the CPU machine. Needs a git copy of github.com/ovg-project/kvcached
-# holding the commit: KVCACHED_GIT (a git directory or a clone), by default the session mirror.
+# Run from the project root on the CPU machine. Reads kvcached from a git copy holding the commit:
+# KVCACHED_GIT (a clone or a bare git directory) when set; else a bare clone of KVCACHED_URL
+# (default https://github.com/ovg-project/kvcached) made once in build/kvcached-git.
 set -euo pipefail
 commit=${KVCACHED_COMMIT:-e8e640638ba79f3ba7ce88d9692342d29d996e6d} # the earlier benches' (issue 8)
-git_dir=${KVCACHED_GIT:-/work/.mirror/ovg-project+kvcached/repo}
+url=${KVCACHED_URL:-https://github.com/ovg-project/kvcached}
 out=build/kvcached
-[ -d "$git_dir" ] || { echo "no kvcached git copy at $git_dir: set KVCACHED_GIT" >&2; exit 1; }
-# A clone (with a .git inside) or a bare git directory (the mirror).
+if [ -n "${KVCACHED_GIT:-}" ]; then
+  git_dir=$KVCACHED_GIT
+  [ -d "$git_dir" ] || { echo "KVCACHED_GIT=$git_dir: no such directory (a kvcached clone or bare git directory)" >&2; exit 1; }
+else
+  git_dir=build/kvcached-git
+  if [ ! -d "$git_dir" ]; then
+    echo "cloning $url into $git_dir (set KVCACHED_GIT to use a git copy you have)" >&2
+    git clone -q --bare "$url" "$git_dir" ||
+      { rm -rf "$git_dir"; echo "could not clone $url: set KVCACHED_GIT to a kvcached git copy holding $commit" >&2; exit 1; }
+  fi
+fi
+# A clone (with a .git inside) or a bare git directory.
 g() { if [ -d "$git_dir/.git" ]; then git -C "$git_dir" "$@"; else git --git-dir="$git_dir" "$@"; fi; }
-g cat-file -e "$commit^{commit}" || { echo "$git_dir lacks commit $commit" >&2; exit 1; }
+g cat-file -e "$commit^{commit}" ||
+  { echo "$git_dir lacks commit $commit (fetch it there, or set KVCACHED_GIT to a copy holding it)" >&2; exit 1; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 src=$tmp/kvcached
 # What setup.py builds and installs (its README is read as the long description), file by file from

@@ -7,8 +7,8 @@
 #   bash bench/engines/vllm/check_on_cpu.sh [build/vllm-device-0.33.0]
 #
 # PYTHON is the interpreter that stands in for the image's. Without it, a venv at $IMAGE_VENV
-# (build/vllm-image-venv) is made from pyenv's 3.12 with what the image has that matters here
-# (torch 2.11 with its CUDA 13 wheels, Triton 3.6, transformers 5.17, numba; a 3 GB download,
+# (build/vllm-image-venv) is made from python3.12 on PATH with what the image has that matters
+# here (torch 2.11 with its CUDA 13 wheels, Triton 3.6, transformers 5.17, numba; a 3 GB download,
 # once). No GPU here: libcuda.so.1 is a stub built from the symbols the libraries ask for, so the
 # check is "every library loads and every symbol resolves", not "the kernels run".
 set -euo pipefail
@@ -19,9 +19,12 @@ last=$(ls -d "$pack"/c* | sort -V | tail -1)
 if [ -z "${PYTHON:-}" ]; then
   venv=${IMAGE_VENV:-build/vllm-image-venv}
   if [ ! -x "$venv/bin/python" ]; then
-    py312=$(ls -d /root/.pyenv/versions/3.12.*/bin/python3 2>/dev/null | sort -V | tail -1 || true)
-    [ -n "$py312" ] || py312=$(command -v python3.12 || true)
-    [ -n "$py312" ] || { echo "check: no Python 3.12 here (set PYTHON)" >&2; exit 2; }
+    py312=$(command -v python3.12 || true)
+    if [ -z "$py312" ]; then
+      echo "check: no python3.12 on PATH to make $venv from: put one on PATH, or set PYTHON to" \
+        "an interpreter with the image's torch 2.11, Triton 3.6 and transformers 5.17" >&2
+      exit 2
+    fi
     "$py312" -m venv "$venv"
     "$venv/bin/pip" install -q torch==2.11.0 triton==3.6.0 "transformers==5.17.*" numba tokenizers \
       safetensors sentencepiece psutil py-cpuinfo regex tqdm requests pyyaml einops cloudpickle pillow \
