@@ -21,7 +21,7 @@ from typing import Any
 __all__ = ["SEAMS", "TESTED", "Seam", "UnsupportedSGLang", "check_all", "installed_version"]
 
 # The SGLang releases the plugin was run with: its seams and SGLang's own tests on the CPU, and
-# the engine end to end on an H200 (docs/sglang.md).
+# the engine end to end on an H200 (docs/sglang/index.md).
 TESTED: tuple[str, ...] = ("0.5.17",)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
