@@ -188,6 +188,30 @@ def test_a_malformed_variable_with_the_switch_off_stays_inert(
     assert after == {t: h for t, h in before.items() if h}
 
 
+@pytest.mark.parametrize(
+    ("sizes", "refused"),
+    [
+        ({}, None),
+        ({"tp_size": 1, "pp_size": 1, "dp_size": 1}, None),
+        ({"tp_size": 2}, "tp_size=2"),
+        ({"pp_size": 2}, "pp_size=2"),
+        ({"tp_size": 1, "dp_size": 4}, "dp_size=4"),
+    ],
+)
+def test_parallel_ranks_are_refused_at_start_naming_the_setting(
+    sizes: dict[str, int], refused: str | None
+) -> None:
+    """Each rank would schedule on its own kvasync count: ranks could diverge and hang."""
+    import types
+
+    args = types.SimpleNamespace(**sizes)
+    if refused is None:
+        plugin.check_parallel(args)
+    else:
+        with pytest.raises(UnsupportedSGLang, match=refused):
+            plugin.check_parallel(args)
+
+
 # -- the pool and the allocator ----------------------------------------------------------------
 
 

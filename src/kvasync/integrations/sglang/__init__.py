@@ -104,6 +104,24 @@ def check_version(version: str, any_version: bool) -> None:
         )
 
 
+def check_parallel(server_args: Any) -> None:
+    """Refuses tensor, pipeline and data parallelism at start: each of SGLang's ranks schedules
+    on its own allocator's count, and two ranks' kvasync counts can differ (a share, a page being
+    unmapped), so their batches, and then their collectives, could diverge and hang.
+
+    Raises:
+        UnsupportedSGLang: naming the setting.
+    """
+    for name in ("tp_size", "pp_size", "dp_size"):
+        size = int(getattr(server_args, name, 1) or 1)
+        if size > 1:
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin runs one rank, not {name}={size}: each rank would "
+                "schedule on its own kvasync count, and ranks whose batches differ hang in their "
+                "collectives; unset KVASYNC_SGLANG and the KVASYNC_* variables to run SGLang's own"
+            )
+
+
 def _hooks() -> Any:
     import importlib
 
@@ -128,6 +146,7 @@ def _install(settings: PluginSettings) -> None:
         from ._kv import capacity_bytes
 
         del original, pre_model_load_memory  # no profile of free memory
+        check_parallel(configurator.server_args)
         return capacity_bytes(settings, configurator)
 
     def create_buffers(original: Any, pool: Any) -> None:
