@@ -109,6 +109,41 @@ def test_a_missing_seam_is_refused_naming_it() -> None:
         _seams.check_seam(missing)
 
 
+class _Holder:
+    """Stands in for an SGLang class whose attributes the plugin reads (``Reads``)."""
+
+    def __init__(self) -> None:
+        self.kept = 1
+
+    def later(self) -> None:
+        def nested() -> None:
+            self.set_in_nested = 2
+
+        nested()
+
+    def method(self) -> None:
+        pass
+
+
+def test_reads_finds_attributes_set_in_the_code_and_refuses_a_missing_one_naming_it() -> None:
+    from kvasync.integrations.sglang._seams import Reads
+
+    owner = f"{__name__}._Holder"
+    _seams.check_reads(Reads(owner, ("kept", "set_in_nested"), ("method",), "why"))
+    with pytest.raises(UnsupportedSGLang, match=r"_Holder\.gone \(the reason\)"):
+        _seams.check_reads(Reads(owner, ("kept", "gone"), (), "the reason"))
+    with pytest.raises(UnsupportedSGLang, match=r"_Holder\.absent \(why\)"):
+        _seams.check_reads(Reads(owner, (), ("absent",), "why"))
+    with pytest.raises(UnsupportedSGLang, match=r"_Nowhere \(why\) is missing"):
+        _seams.check_reads(Reads(f"{__name__}._Nowhere", ("kept",), (), "why"))
+
+
+@needs_sglang
+def test_every_name_the_plugin_reads_off_sglang_is_there() -> None:
+    for reads in _seams.READS:
+        _seams.check_reads(reads)
+
+
 @needs_sglang
 def test_register_is_inert_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):

@@ -18,7 +18,17 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SEAMS", "TESTED", "Seam", "UnsupportedSGLang", "check_all", "installed_version"]
+__all__ = [
+    "READS",
+    "SEAMS",
+    "TESTED",
+    "Reads",
+    "Seam",
+    "UnsupportedSGLang",
+    "check_all",
+    "check_reads",
+    "installed_version",
+]
 
 # The SGLang releases the plugin was run with: its seams and SGLang's own tests on the CPU, and
 # the engine end to end on an H200 (docs/sglang/index.md).
@@ -130,6 +140,86 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Reads:
+    """Names the plugin reads off SGLang objects it does not hook (through ``getattr`` with a
+    default, so a renamed one would go unnoticed): ``attributes`` must be set by some function
+    of ``owner``'s classes (they are in its code), ``methods`` must be methods of ``owner``."""
+
+    owner: str
+    attributes: tuple[str, ...]
+    methods: tuple[str, ...]
+    why: str
+
+
+READS: tuple[Reads, ...] = (
+    Reads(
+        _SCHEDULER,
+        ("forward_stream", "waiting_queue", "tree_cache", "token_to_kv_pool_allocator"),
+        (),
+        "each step: the forward stream is every free's fence, the waiting queue the share's "
+        "demand, the radix cache what pressure and the prefix bound evict",
+    ),
+    Reads(
+        "sglang.srt.managers.schedule_batch.Req",
+        ("origin_input_ids",),
+        (),
+        "the share's demand: the pages a waiting request's prompt needs",
+    ),
+    Reads(
+        "sglang.srt.mem_cache.base_prefix_cache.BasePrefixCache",
+        (),
+        ("evict", "evictable_size", "is_chunk_cache"),
+        "the radix cache's unused prefixes, evicted under pressure, for the prefix bound and "
+        "for an alloc kvasync refused",
+    ),
+)
+
+
+def _names_in(code: Any) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):  # nested functions, comprehensions
+            names |= _names_in(const)
+    return names
+
+
+def check_reads(reads: Reads) -> None:
+    """Resolves ``reads.owner`` and finds each of its attributes in its classes' code and each
+    method on it.
+
+    Raises:
+        UnsupportedSGLang: the owner, an attribute or a method is missing, naming it.
+    """
+    try:
+        owner = pkgutil.resolve_name(reads.owner)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin: {reads.owner} ({reads.why}) is missing in this SGLang: "
+            f"{error}"
+        ) from None
+    names: set[str] = set()
+    for cls in inspect.getmro(owner):
+        if cls is object:
+            continue
+        for member in vars(cls).values():
+            function = getattr(member, "__func__", member)
+            if inspect.isfunction(function):
+                names |= _names_in(function.__code__)
+    for attribute in reads.attributes:
+        if attribute not in names:
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin reads {reads.owner}.{attribute} ({reads.why}), which "
+                "no code of that class sets in this SGLang"
+            )
+    for method in reads.methods:
+        if not callable(getattr(owner, method, None)):
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin calls {reads.owner}.{method} ({reads.why}), which "
+                "this SGLang does not have"
+            )
+
+
 def installed_version() -> str:
     """The installed SGLang's version.
 
@@ -188,3 +278,5 @@ def check_all() -> None:
     """
     for seam in SEAMS:
         check_seam(seam)
+    for reads in READS:
+        check_reads(reads)
