@@ -70,6 +70,7 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import _sglang_reference as kvcached_ref
+from _sglang_plot import plot_identity
 
 if __name__ == "__mp_main__" or sys.argv[1:2] == ["--child"]:
     # A kvcached engine's processes, the child and SGLang's spawned ones (which import this script
@@ -927,6 +928,7 @@ def main() -> None:
             bench.save()
     finally:
         bench.save()
+        plot_identity(bench.results, args.out / "identity_memory.png")
 
 
 if __name__ == "__main__":

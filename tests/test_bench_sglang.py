@@ -495,3 +495,26 @@ def test_linger_reaches_kvasync_engines_only(
     assert shared_vllm.get("KVASYNC_LINGER") == linger
     assert shared_vllm["KVASYNC_SHARE"] == "s"
     assert "KVASYNC_LINGER" not in bench.mixed_vllm_env(None, 2**30)
+
+
+def test_the_identity_memory_plot_has_each_engine_and_each_allocator(
+    tmp_path: pathlib.Path,
+) -> None:
+    import _sglang_plot
+
+    identity = {
+        "memory": [
+            {"wall": 100.0, "mib": {"stock": 0.0, "kvasync": 512.0}},
+            {"wall": 101.0, "mib": {"stock": 1024.0, "kvasync": 2048.0}},
+        ],
+        "ledger": [{"wall": 100.5, "mapped_gib": {"sgl-id": 0.25}}],
+    }
+    series = _sglang_plot.memory_series(identity)
+    assert series == {
+        "stock: device": ([0.0, 1.0], [0.0, 1.0]),
+        "kvasync: device": ([0.0, 1.0], [0.5, 2.0]),
+        "sgl-id: mapped KV": ([0.5], [0.25]),
+    }
+    assert not _sglang_plot.plot_identity({"two": {}}, tmp_path / "none.png")
+    assert _sglang_plot.plot_identity({"identity": identity}, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 0
