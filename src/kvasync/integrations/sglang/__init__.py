@@ -18,11 +18,15 @@ the plugin registers these hooks, each on a seam of ``_seams.SEAMS``, and nothin
 - ``MHATokenToKVPool._create_buffers_normal`` (replaced for the MHA pool): the per-layer K and
   V buffers are views over a kvasync allocator's ranges, of which only page 0 is mapped
   (Note [SGLang's KV buffers over kvasync] in _kv). ``_clear_buffers`` closes the allocator.
+- ``MLATokenToKVPool._create_buffers`` (replaced for ``MLATokenToKVPool`` itself, not its
+  subclasses): each layer's latent buffer is a view over a kvasync range, the same way.
+  ``_clear_buffers`` closes the allocator.
 - ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (wrapped): SGLang builds its paged
   allocator, and the plugin returns its own subclass with the same size and page size (Note
-  [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (MLA,
-  hybrid SWA or Mamba models, a quantized or page-major pool, one token a page, PD
-  disaggregation) is refused there, at start, naming it.
+  [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (DSA's MLA
+  pool with its indexer cache, hybrid SWA or Mamba models, a quantized (fp4, mxfp8),
+  page-major or unified pool, one token a page, decode context parallelism, PD
+  disaggregation) is refused there, at start, naming it (``refusal``).
 - ``SchedulerPoolStatsObserver._get_token_info`` (wrapped): the pool statistics SGLang's idle
   leak check and its metrics read count the pages SGLang holds, not what kvasync can map now
   (Note [SGLang's idle check] in _allocator).

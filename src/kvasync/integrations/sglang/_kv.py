@@ -1,4 +1,5 @@
-"""The KV memory: SGLang's per-layer K and V buffers as views over a kvasync allocator's ranges.
+"""The KV memory: SGLang's per-layer K and V buffers (MHA), or its per-layer latent buffer
+(MLA), as views over a kvasync allocator's ranges.
 
 Note [SGLang's KV buffers over kvasync]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,11 +16,27 @@ at open and held for the engine's life (zeroed, as SGLang's ``torch.zeros`` buff
 its page is always mapped. Beyond it the allocator maps only its reserve (a scheduler step's
 pages, mapped ahead by the mapper thread; within the limit) and what SGLang allocates.
 
+SGLang's ``MLATokenToKVPool`` keeps, per layer, one latent tensor ``kv_buffer[i]`` of
+``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` (``get_key_buffer`` is all of it,
+``get_value_buffer`` its first ``kv_lora_rank`` columns, a view), with the same slots, pages and
+padded page 0. It is kvasync's per-layer layout with ``kv_buffers=1``, one head of
+``kv_lora_rank + qk_rope_head_dim``: one range per layer, ``kv.layer(i)[0].view(-1, 1, row)``,
+the plugin's hook replacing ``_create_buffers`` (only for ``MLATokenToKVPool`` itself: DSA's
+subclass inherits it and keeps SGLang's buffers, and is refused). SGLang takes ``data_ptrs``
+(what the attention backends and CUDA graphs read) after the buffers are made, so they point
+into the ranges. A page of MLA rows (18 KiB for DeepSeek-V2's 576 bf16 columns, 16 tokens) does
+not divide kvasync's 2 MiB pages: the block ids that straddle a boundary are never handed out
+(Note [Blocks across page boundaries] in _layout: 1 block in 128 here, 1 in 32 at 64 tokens a
+page), and ``available_size()`` never counts them: SGLang's total (``max_total_num_tokens``) is
+that much above what kvasync can ever hand out, and its own bookkeeping (the idle check) counts
+its total.
+
 Capacity is the virtual range kvasync reserves for ``size`` tokens: SGLang's configurator sizes
 ``size`` from ``_profile_available_bytes``, which the plugin answers with kvasync's limit
-(``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) rounded to whole kvasync pages, not
-with a profile of the device's free memory: a start never fails, nor sizes itself wrong, because
-a neighbour allocated or freed memory meanwhile.
+(``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) less one SGLang page of tokens (page
+0), in SGLang's own bytes a token (its configurator's cell size: K and V of every KV head, or
+MLA's one latent row, a layer), not with a profile of the device's free memory: a start never
+fails, nor sizes itself wrong, because a neighbour allocated or freed memory meanwhile.
 """
 
 from __future__ import annotations
