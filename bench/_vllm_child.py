@@ -54,7 +54,49 @@ MODEL_CONFIG_8B = dict(
     head_dim=128,
     tie_word_embeddings=False,
 )
-MODEL_CONFIGS = {"1b": MODEL_CONFIG, "8b": MODEL_CONFIG_8B}
+# DeepSeek-V2-Lite's attention (MLA: kv_lora_rank 512, qk_rope_head_dim 64, 16 heads, no q
+# LoRA), 27 layers, its dense MLP in every layer instead of the MoE (first_k_dense_replace = all
+# layers), plain RoPE: 2.6B parameters, for SGLang's MLA KV pool (``bench_sglang.py --model mla``).
+MODEL_CONFIG_MLA: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 27,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 102400,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+}
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    "1b": MODEL_CONFIG,
+    "8b": MODEL_CONFIG_8B,
+    "mla": MODEL_CONFIG_MLA,
+}
 # KV bytes of one token across all layers: K and V, 8 heads of 64, bf16, 16 layers (32 KiB).
 TOKEN_KV_BYTES = 2 * 8 * 64 * 2 * 16
 GIB = 2**30

@@ -78,7 +78,7 @@ if __name__ == "__mp_main__" or sys.argv[1:2] == ["--child"]:
     kvcached_ref.enter_if_kvcached(spawned=__name__ == "__mp_main__")
 
 from _tables import print_table
-from _vllm_child import TOKEN_KV_BYTES, alternating_trace, prompt_tokens, write_model_config
+from _vllm_child import MODEL_CONFIGS, alternating_trace, prompt_tokens, write_model_config
 from _vllm_procs import FAILURES, Engine, LedgerSampler, kill_all, write_atomically
 from _vllm_reference import ensure_built
 
@@ -87,6 +87,17 @@ BENCH_VLLM = HERE.parent / "bench_vllm.py"
 GIB = 2**30
 MODES = ("identity", "release", "seed-a", "two", "mixed")
 TWO_VARIANTS = ("shared", "static-kvasync", "static-stock", "kvcached")
+
+
+def token_kv_bytes(model: str) -> int:
+    """SGLang's KV bytes of one token across all layers (its configurator's cell size), bf16: K
+    and V of every KV head (an MHA model), or one latent row of ``kv_lora_rank +
+    qk_rope_head_dim`` (an MLA model); stock's ``max_total_tokens`` is a budget in these."""
+    config = MODEL_CONFIGS[model]
+    layers = int(config["num_hidden_layers"])
+    if "kv_lora_rank" in config:
+        return (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])) * 2 * layers
+    return 2 * int(config["num_key_value_heads"]) * int(config["head_dim"]) * 2 * layers
 
 
 class ProcessMemory(threading.Thread):
@@ -214,7 +225,7 @@ class Bench:
         args = self.args
         folder = self.work / "identity"
         kv_bytes = int(args.kv_gib * GIB)
-        tokens = kv_bytes // TOKEN_KV_BYTES // 16 * 16
+        tokens = kv_bytes // token_kv_bytes(self.args.model) // 16 * 16
         prompts = identity_prompts(args.prompts)
         share = f"sgl-id-{self.tag}"
         cand = args.candidate
@@ -529,7 +540,9 @@ class Bench:
                 engine_args: dict[str, Any] = {"cuda_graph_max_bs_decode": 64}
                 if variant == "static-stock":
                     env = {"KVASYNC_SGLANG": "0"}
-                    engine_args["max_total_tokens"] = half // TOKEN_KV_BYTES // 16 * 16
+                    engine_args["max_total_tokens"] = (
+                        half // token_kv_bytes(self.args.model) // 16 * 16
+                    )
                     engine_args["mem_fraction_static"] = 0.3
                 elif variant == "static-kvasync":
                     env = self.kvasync_env(f"two-{label}", share=None, budget=None, limit=half)
@@ -537,7 +550,9 @@ class Bench:
                     # kvcached has no budget shared between engines: each may map up to all of it
                     # (as in bench_vllm.py); the table gives the most A and B held at once.
                     env = self.kvcached_env(folder, f"{variant}_{label}")
-                    engine_args["max_total_tokens"] = budget // TOKEN_KV_BYTES // 16 * 16
+                    engine_args["max_total_tokens"] = (
+                        budget // token_kv_bytes(self.args.model) // 16 * 16
+                    )
                     engine_args["mem_fraction_static"] = 0.3
                 else:
                     env = self.kvasync_env(f"two-{label}", share=share, budget=budget, limit=None)
@@ -712,7 +727,7 @@ class Bench:
                 senv = self.kvasync_env("sglang", share=share, budget=budget, limit=None)
             else:
                 senv = {"KVASYNC_SGLANG": "0"}
-                engine_args["max_total_tokens"] = half // TOKEN_KV_BYTES // 16 * 16
+                engine_args["max_total_tokens"] = half // token_kv_bytes(self.args.model) // 16 * 16
                 engine_args["mem_fraction_static"] = 0.3
             sgl = self.spawn(
                 folder,
@@ -829,7 +844,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the allocator compared with stock SGLang: kvasync's plugin, or the reference "
         "allocator kvcached (identity and two only; see bench/reference/README.md)",
     )
-    parser.add_argument("--model", default="1b", choices=["1b", "8b"])
+    parser.add_argument(
+        "--model",
+        default="1b",
+        choices=sorted(MODEL_CONFIGS),
+        help="1b, 8b: Llama-shaped (SGLang's MHA pool); mla: DeepSeek-V2-Lite's attention, dense "
+        "MLP (SGLang's MLA pool)",
+    )
     parser.add_argument("--kv-gib", type=float, default=6.0)
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=8)

@@ -37,6 +37,19 @@ def test_arguments_default_to_kvasync(tmp_path: pathlib.Path) -> None:
     assert not bench_sglang.plans_kvcached(args)
 
 
+def test_stock_capacity_is_sglangs_cell_size_per_model(tmp_path: pathlib.Path) -> None:
+    """Stock's ``max_total_tokens`` is the KV budget in SGLang's bytes a token of the model run:
+    the 1B's 32 KiB, the 8B's 128 KiB (K and V of 8 heads, 32 layers), and MLA's one latent row
+    of 576 bf16 a layer, 27 layers (SGLang's configurator's MLA cell size)."""
+    from _vllm_child import TOKEN_KV_BYTES
+
+    assert bench_sglang.token_kv_bytes("1b") == TOKEN_KV_BYTES == 32 * 1024
+    assert bench_sglang.token_kv_bytes("8b") == 128 * 1024
+    assert bench_sglang.token_kv_bytes("mla") == (512 + 64) * 2 * 27
+    args = bench_sglang.parse_args(["--out", str(tmp_path), "--model", "mla"])
+    assert args.model == "mla"
+
+
 def test_arguments_for_kvcached(tmp_path: pathlib.Path) -> None:
     args = bench_sglang.parse_args(
         ["--out", str(tmp_path), "--candidate", "kvcached", "--modes", "identity", "two"]

@@ -1,15 +1,17 @@
 """kvasync's SGLang plugin against SGLang's own code, on the CPU: the settings and the version
-refusal, the seam check, SGLang's ``MHATokenToKVPool`` with its buffers over a kvasync range
-(host backend), and ``KvasyncPagedAllocator`` beside SGLang's ``PagedTokenToKVPoolAllocator`` on
-one workload, with a real ``RadixCache`` for the prefix bound and pressure.
+refusal, the seam check, SGLang's ``MHATokenToKVPool`` and ``MLATokenToKVPool`` with their
+buffers over a kvasync range (host backend), the pools still refused, and
+``KvasyncPagedAllocator`` beside SGLang's ``PagedTokenToKVPoolAllocator`` on one workload, with a
+real ``RadixCache`` for the prefix bound and pressure.
 
 The tests that need SGLang skip where it is not importable (CI), saying so; ``make sglang-test``
 runs them in a venv with SGLang 0.5.17 (tests/sglang_suite.py). SGLang's allocator kernels are
 Triton kernels: they run here under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py).
 
 NOTE: SGLang's ``HookRegistry`` patches the process: once the plugin's hooks are applied
-(``hooks``, module scope), every ``MHATokenToKVPool`` built here is kvasync's. The stock pools
-the comparisons need are built first (``stock_pools``, which ``hooks`` depends on).
+(``hooks``, module scope), every ``MHATokenToKVPool`` and ``MLATokenToKVPool`` built here is
+kvasync's. The stock pools the comparisons need are built first (``stock_pools``, which ``hooks``
+depends on).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 import torch
 from conftest import wait_until_sync
 
+from kvasync._sync import SyncAllocator
 from kvasync.integrations import sglang as plugin
 from kvasync.integrations.sglang import _seams
 from kvasync.integrations.sglang._kv import detach, engine_of
@@ -36,7 +39,12 @@ try:
         warnings.simplefilter("ignore")
         import sglang.srt.mem_cache.allocator.paged as sglang_paged
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool import (
+            DSATokenToKVPool,
+            MHATokenToKVPool,
+            MLATokenToKVPool,
+            MLATokenToKVPoolFP4,
+        )
         from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
         from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -50,6 +58,16 @@ PAGE = 16  # SGLang's page size in these tests (tokens a page)
 # and the range spans several kvasync pages: the "only page 0 is mapped" claim means something.
 POOL = {"head_num": 8, "head_dim": 128, "layer_num": 3, "dtype": torch.bfloat16}
 POOL_TOKENS = PAGE * 256
+# DeepSeek-V2-Lite's latent row (kv_lora_rank 512 + qk_rope_head_dim 64): 18 KiB a page a layer,
+# so the host backend's 2 MiB pages hold 113.8 of them and the range spans three kvasync pages.
+MLA_RANK, MLA_ROPE, MLA_LAYERS = 512, 64, 3
+MLA_POOL = {
+    "kv_lora_rank": MLA_RANK,
+    "qk_rope_head_dim": MLA_ROPE,
+    "layer_num": MLA_LAYERS,
+    "dtype": torch.bfloat16,
+}
+MLA_ROW = MLA_RANK + MLA_ROPE
 _STEADY = dict(os.environ)
 
 # -- settings and the version, no SGLang needed ------------------------------------------------
@@ -261,12 +279,19 @@ def make_pool() -> Any:
     )
 
 
+def make_mla_pool() -> Any:
+    return MLATokenToKVPool(
+        size=POOL_TOKENS, page_size=PAGE, device="cpu", enable_memory_saver=False, **MLA_POOL
+    )
+
+
 @pytest.fixture(scope="module")
 def stock_pools() -> list[Any]:
-    """SGLang's own pools, built before the plugin's hooks are applied (module NOTE)."""
+    """SGLang's own pools, built before the plugin's hooks are applied (module NOTE): two MHA
+    pools, then an MLA pool (``[2]``)."""
     if SGLANG_ERROR:
         pytest.skip(SGLANG_ERROR)
-    return [make_pool(), make_pool()]
+    return [make_pool(), make_pool(), make_mla_pool()]
 
 
 @pytest.fixture(scope="module")
@@ -712,3 +737,295 @@ def test_in_sglang_debug_mode_a_page_freed_twice_raises_assertion_error_as_stock
         ours.free(torch.cat([second, first]))
     assert (kv.stats().used_blocks, ours.num_ignored_free_pages) == (1, 1)
     assert ours.available_size() == POOL_TOKENS
+
+
+# -- the MLA pool ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mla_pool(hooks: None) -> Iterator[Any]:
+    built = make_mla_pool()
+    yield built
+    built._clear_buffers()  # closes the kvasync allocator behind it (the plugin's hook)
+
+
+def kv_of(pool: Any) -> SyncAllocator:
+    """The kvasync allocator behind ``pool`` (one the plugin opened)."""
+    engine = engine_of(pool)
+    assert engine is not None, f"{type(pool).__name__} is not over a kvasync range"
+    return engine.allocator
+
+
+def build_allocator_hook() -> Any:
+    """The plugin's hook on SGLang's ``_build_token_to_kv_pool_allocator``, as registered."""
+    target = (
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator."
+        "_build_token_to_kv_pool_allocator"
+    )
+    return HookRegistry._hooks[target][-1][1]
+
+
+def build_with_plugin(pool: Any, size: int = POOL_TOKENS, page: int = PAGE) -> Any:
+    """The token-to-KV allocator the configurator's hook builds over ``pool``, SGLang's own
+    being a paged allocator of ``size`` tokens ``page`` a page."""
+
+    def stock(configurator: object, **kwargs: Any) -> Any:
+        return sglang_paged.PagedTokenToKVPoolAllocator(
+            size, page, torch.bfloat16, "cpu", kwargs["token_to_kv_pool"], False
+        )
+
+    return build_allocator_hook()(
+        stock,
+        None,
+        sizes=None,
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
+
+
+@needs_sglang
+def test_the_mla_pool_buffers_are_views_over_the_kvasync_range_shaped_as_stock(
+    mla_pool: Any, stock_pools: list[Any]
+) -> None:
+    stock = stock_pools[2]
+    kv = kv_of(mla_pool)
+    layout = kv.layout
+    assert (layout.kv_buffers, layout.num_kv_heads, layout.head_dim) == (1, 1, MLA_ROW)
+    assert len(mla_pool.kv_buffer) == len(stock.kv_buffer) == MLA_LAYERS
+    for index, (ours, theirs) in enumerate(zip(mla_pool.kv_buffer, stock.kv_buffer, strict=True)):
+        (latent,) = kv.layer(index)
+        assert (ours.shape, ours.stride(), ours.dtype) == (
+            theirs.shape,
+            theirs.stride(),
+            theirs.dtype,
+        )
+        assert ours.data_ptr() == latent.data_ptr()
+        assert ours.untyped_storage().nbytes() == latent.untyped_storage().nbytes()
+        for getter in ("get_key_buffer", "get_value_buffer"):
+            got, stock_got = getattr(mla_pool, getter)(index), getattr(stock, getter)(index)
+            assert (got.shape, got.stride(), got.dtype) == (
+                stock_got.shape,
+                stock_got.stride(),
+                stock_got.dtype,
+            )
+            assert got.data_ptr() == ours.data_ptr()
+    # What the attention backends and CUDA graphs read: the pointers SGLang takes after the
+    # buffers are made, and PD's registration of the buffers.
+    pointers = [buffer.data_ptr() for buffer in mla_pool.kv_buffer]
+    assert [int(p) for p in mla_pool.data_ptrs.to(torch.int64)] == pointers
+    ptrs, lens, items = mla_pool.get_contiguous_buf_infos()
+    assert ptrs == pointers
+    assert (lens, items) == tuple(stock.get_contiguous_buf_infos()[1:])
+    assert mla_pool.get_kv_size_bytes() == stock.get_kv_size_bytes()
+
+
+@needs_sglang
+def test_the_mla_pool_takes_only_block_0_at_open_and_page_0_starts_zeroed(mla_pool: Any) -> None:
+    kv = kv_of(mla_pool)
+    assert kv.num_blocks == POOL_TOKENS // PAGE + 1
+    assert kv.num_blocks * kv.layout.block_bytes > 2 * kv.page_size  # several kvasync pages
+
+    def idle() -> bool:
+        stats = kv.stats()
+        return stats.mapping_pages == 0 and stats.queued_jobs == 0
+
+    wait_until_sync(idle, "the mapper to finish the reserve")
+    stats = kv.stats()
+    assert stats.used_blocks == 1
+    assert stats.mapped_pages == 1 + stats.reserve_pages
+    assert stats.reserve_pages <= kv.config.reserve_pages[1]
+    assert torch.count_nonzero(mla_pool.kv_buffer[0][:PAGE]) == 0
+
+
+@needs_sglang
+def test_set_kv_buffer_on_the_mla_pool_lands_in_kvasync_blocks_and_reads_back(
+    mla_pool: Any,
+) -> None:
+    allocator = build_with_plugin(mla_pool)
+    slots = allocator.alloc(2 * PAGE)
+    rows = torch.randn(2 * PAGE, 1, MLA_ROW).to(torch.bfloat16)
+    layer = SimpleLayer(layer_id=1)
+    mla_pool.set_kv_buffer(layer, slots, rows, None)  # MLA's: one latent row a token
+    (latent,) = kv_of(mla_pool).layer(1)
+    torch.testing.assert_close(latent.view(torch.bfloat16).view(-1, 1, MLA_ROW)[slots], rows)
+    rank = MLA_RANK
+    nope, rope = mla_pool.get_mla_kv_buffer(layer, slots)  # SGLang's Triton read kernel
+    torch.testing.assert_close(nope, rows[..., :rank])
+    torch.testing.assert_close(rope, rows[..., rank:])
+    torch.testing.assert_close(mla_pool.get_value_buffer(1)[slots], rows[..., :rank])
+    allocator.free(slots)
+
+
+@needs_sglang
+def test_set_mla_kv_buffer_lands_in_kvasync_blocks_as_on_stock(
+    mla_pool: Any, stock_pools: list[Any]
+) -> None:
+    stock = stock_pools[2]
+    allocator = build_with_plugin(mla_pool)
+    slots = allocator.alloc(PAGE)
+    nope = torch.randn(PAGE, 1, MLA_RANK).to(torch.bfloat16)
+    rope = torch.randn(PAGE, 1, MLA_ROPE).to(torch.bfloat16)
+    layer = SimpleLayer(layer_id=2)
+    try:
+        stock.set_mla_kv_buffer(layer, slots, nope, rope)
+    except Exception as error:  # Triton's InterpreterError, on stock's own pool
+        allocator.free(slots)
+        pytest.skip(
+            "SGLang 0.5.17's set_mla_kv_buffer kernel does not run under Triton's interpreter "
+            f"(on stock's pool too: {type(error).__name__}: {error}); a GPU runs it"
+        )
+    mla_pool.set_mla_kv_buffer(layer, slots, nope, rope)
+    (latent,) = kv_of(mla_pool).layer(2)
+    ours = latent.view(torch.bfloat16).view(-1, 1, MLA_ROW)[slots]
+    assert torch.equal(ours, stock.kv_buffer[2][slots])
+    assert torch.equal(ours, torch.cat([nope, rope], dim=-1))
+    allocator.free(slots)
+
+
+@needs_sglang
+def test_mla_pages_map_as_sglang_allocates_and_unmap_when_freed_and_released(
+    mla_pool: Any,
+) -> None:
+    ours = build_with_plugin(mla_pool)
+    assert type(ours).__name__ == "KvasyncPagedAllocator"
+    kv = kv_of(mla_pool)
+    assert ours._kv is kv
+    per_page = kv.page_size // kv.layout.block_bytes  # 113 SGLang pages in a 2 MiB page
+    slots = ours.alloc(PAGE * 2 * per_page)  # two kvasync pages' worth of SGLang pages
+    assert slots is not None
+    assert kv.stats().used_blocks == 1 + 2 * per_page
+    assert kv.stats().mapped_pages >= 3
+    ours.free(slots)
+    assert kv.stats().used_blocks == 1
+    mapped = ours.release_memory(timeout=10.0)  # after release_memory_occupation's flush
+    assert kv.stats().mapped_pages == 1  # page 0 stays
+    assert mapped == kv.stats().mapped_bytes
+    again = ours.alloc(PAGE * per_page)  # resumed: pages map again as SGLang allocates
+    assert again is not None and kv.stats().mapped_pages >= 2
+    ours.clear()  # a flush: every page SGLang held goes back
+    assert kv.stats().used_blocks == 1
+    assert ours.available_size() > 0
+
+
+@needs_sglang
+def test_an_mla_block_across_a_kvasync_page_boundary_is_never_counted_nor_handed_out(
+    mla_pool: Any,
+) -> None:
+    """MLA's 18 KiB pages do not divide kvasync's 2 MiB pages: the block ids across a boundary
+    are never handed out (Note [Blocks across page boundaries] in _layout), so SGLang's count
+    leaves them out, and an alloc of all it counts succeeds."""
+    ours = build_with_plugin(mla_pool)
+    kv = kv_of(mla_pool)
+    lost = kv.layout.unusable_blocks(kv.page_size, kv.num_blocks)
+    assert lost == kv.stats().unusable_blocks >= 1
+    assert ours.available_size() == POOL_TOKENS - lost * PAGE
+    assert ours.unheld_size() == POOL_TOKENS  # SGLang's own bookkeeping: its idle check holds
+    everything = ours.alloc(ours.available_size())
+    assert everything is not None
+    assert ours.alloc(PAGE) is None
+    pages = {int(slot) // PAGE for slot in everything.tolist()}
+    page_bytes, block_bytes = kv.page_size, kv.layout.block_bytes
+    assert all(
+        (p * block_bytes) // page_bytes == ((p + 1) * block_bytes - 1) // page_bytes for p in pages
+    )
+    ours.free(everything)
+    assert kv.stats().used_blocks == 1
+
+
+@needs_sglang
+@pytest.mark.parametrize("kind", ["fp4", "dsa"])
+def test_mla_pools_the_plugin_does_not_lay_out_keep_sglangs_buffers_and_are_refused_by_name(
+    hooks: None, kind: str
+) -> None:
+    if kind == "fp4":
+        pool = MLATokenToKVPoolFP4(
+            size=POOL_TOKENS, page_size=PAGE, device="cpu", enable_memory_saver=False, **MLA_POOL
+        )
+        name, why, page = "MLATokenToKVPoolFP4", "fp4 MLA", PAGE
+    else:
+        page = 64  # DSA's page on a GPU
+        pool = DSATokenToKVPool(
+            size=page * 4,
+            page_size=page,
+            kv_lora_rank=MLA_RANK,
+            dtype=torch.bfloat16,
+            qk_rope_head_dim=MLA_ROPE,
+            layer_num=2,
+            device="cpu",
+            index_head_dim=128,
+            enable_memory_saver=False,
+            kv_cache_dim=MLA_ROW,
+        )
+        name, why = "DSATokenToKVPool", "indexer cache"
+    try:
+        assert engine_of(pool) is None  # SGLang's own buffers, untouched
+        assert pool.kv_buffer[0].data_ptr() != 0
+        with pytest.raises(UnsupportedSGLang) as refused:
+            build_with_plugin(pool, size=pool.size, page=page)
+        message = str(refused.value)
+        assert f"not {name} (" in message
+        assert why in message
+        assert "KVASYNC_SGLANG" in message
+    finally:
+        pool._clear_buffers()
+
+
+@needs_sglang
+def test_an_allocator_paged_otherwise_than_its_pool_is_refused_naming_dcp(mla_pool: Any) -> None:
+    with pytest.raises(UnsupportedSGLang, match=r"--dcp-size"):
+        build_with_plugin(mla_pool, size=2 * POOL_TOKENS, page=2 * PAGE)
+
+
+@needs_sglang
+def test_an_mla_engines_capacity_is_kvasyncs_limit_less_page_0_in_sglangs_own_cell_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang's configurator turns ``_profile_available_bytes`` (the plugin's answer) into tokens
+    by its cell size, which for MLA is one latent row a layer: the plugin counts the same row,
+    so the pool SGLang sizes, page 0 included, is within kvasync's limit, less than a page
+    short of it."""
+    from types import SimpleNamespace
+
+    import sglang.srt.model_executor.pool_configurator as pool_configurator
+
+    from kvasync.integrations._settings import SGLANG_ENABLE, read_settings
+    from kvasync.integrations.sglang._kv import capacity_bytes
+
+    # No process group on the CPU: attention's TP size is 1.
+    monkeypatch.setattr(pool_configurator, "get_parallel", lambda: SimpleNamespace(attn_tp_size=1))
+    layers = 27  # DeepSeek-V2-Lite
+    hf = SimpleNamespace(architectures=["DeepseekV2ForCausalLM"])
+    configurator = SimpleNamespace(
+        model_config=SimpleNamespace(
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            head_dim=192,
+            v_head_dim=128,
+            hf_config=hf,
+            hf_text_config=hf,
+            get_num_kv_heads=lambda tp: 16,
+        ),
+        kv_cache_dtype=torch.bfloat16,
+        kv_cache_dtype_str="auto",
+        use_mla_backend=True,
+        is_draft_worker=False,
+        layer_info=SimpleNamespace(num_effective_layers=layers),
+        server_args=SimpleNamespace(
+            page_size=PAGE, enable_hisparse=False, enable_dsa_cache_layer_split=False
+        ),
+    )
+    sglang_configurator = pool_configurator.DefaultPoolConfigurator
+    cell = sglang_configurator._compute_cell_size(configurator, configurator, layers)
+    assert cell == layers * MLA_ROW * 2
+    limit = 8 << 30
+    settings = read_settings(
+        {"KVASYNC_SGLANG": "1", "KVASYNC_MEMORY_LIMIT": str(limit)}, switch=SGLANG_ENABLE
+    )
+    assert settings.capacity_bytes == limit
+    available = capacity_bytes(settings, configurator)
+    assert available == limit - PAGE * cell
+    sizing = SimpleNamespace(_cell_size=cell, _zero_kv_max_tokens=0)
+    tokens = sglang_configurator.calculate_pool_sizes(sizing, available, PAGE).max_total_num_tokens
+    assert limit - 2 * PAGE * cell < (tokens + PAGE) * cell <= limit

@@ -18,11 +18,15 @@ the plugin registers these hooks, each on a seam of ``_seams.SEAMS``, and nothin
 - ``MHATokenToKVPool._create_buffers_normal`` (replaced for the MHA pool): the per-layer K and
   V buffers are views over a kvasync allocator's ranges, of which only page 0 is mapped
   (Note [SGLang's KV buffers over kvasync] in _kv). ``_clear_buffers`` closes the allocator.
+- ``MLATokenToKVPool._create_buffers`` (replaced for ``MLATokenToKVPool`` itself, not its
+  subclasses): each layer's latent buffer is a view over a kvasync range, the same way.
+  ``_clear_buffers`` closes the allocator.
 - ``KVCacheConfigurator._build_token_to_kv_pool_allocator`` (wrapped): SGLang builds its paged
   allocator, and the plugin returns its own subclass with the same size and page size (Note
-  [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (MLA,
-  hybrid SWA or Mamba models, a quantized or page-major pool, one token a page, PD
-  disaggregation) is refused there, at start, naming it.
+  [SGLang's count and kvasync's pages] in _allocator). Any other pool or allocator (DSA's MLA
+  pool with its indexer cache, hybrid SWA or Mamba models, a quantized (fp4, mxfp8),
+  page-major or unified pool, one token a page, decode context parallelism, PD
+  disaggregation) is refused there, at start, naming it (``refusal``).
 - ``SchedulerPoolStatsObserver._get_token_info`` (wrapped): the pool statistics SGLang's idle
   leak check and its metrics read count the pages SGLang holds, not what kvasync can map now
   (Note [SGLang's idle check] in _allocator).
@@ -62,6 +66,7 @@ _RELEASE_TIMEOUT = 30.0
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_MLA_POOL = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
 _PAGED_NAME = "PagedTokenToKVPoolAllocator"
 _STATS = "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver"
 
@@ -122,6 +127,44 @@ def check_parallel(server_args: Any) -> None:
             )
 
 
+# SGLang's KV pools the plugin does not lay out, and why, for the refusal (Note [SGLang seams]).
+_REFUSED_POOLS = {
+    "DSATokenToKVPool": "DeepSeek V3.2's sparse attention: an indexer cache beside the latent one",
+    "MLATokenToKVPoolFP4": "fp4 MLA: packed latent rows with a scale buffer beside them",
+    "MHATokenToKVPoolFP4": "fp4 KV: packed K and V with scale buffers",
+    "MHATokenToKVPoolMXFP8": "mxfp8 KV: K and V with scale buffers",
+    "PageMajorMHATokenToKVPool": "the page-major layout (--enable-page-major-kv-layout)",
+    "UnifiedMHATokenToKVPool": "the unified memory pool (--enable-unified-memory)",
+    "UnifiedMLATokenToKVPool": "the unified memory pool (--enable-unified-memory)",
+    "BaseSWAKVPool": "a sliding-window hybrid model, or DeepSeek V4's compressed pools",
+    "HybridLinearKVPool": "a hybrid linear-attention (Mamba) model",
+    "NoOpMHATokenToKVPool": "a prefill-only engine with no KV cache",
+    "MiniMaxSparseKVPool": "MiniMax's sparse attention: an indexer pool beside the main one",
+}
+
+
+def refusal(pool: Any) -> str:
+    """The refusal of an engine whose KV ``pool`` the plugin did not open, naming the pool and,
+    where the plugin knows it, why it is not laid out."""
+    name = type(pool).__name__
+    known = [_REFUSED_POOLS[c.__name__] for c in type(pool).__mro__ if c.__name__ in _REFUSED_POOLS]
+    if known:
+        why = known[0]
+    elif getattr(pool, "enable_custom_mem_pool", False) or getattr(pool, "custom_mem_pool", None):
+        why = "a pool in PD disaggregation's NVLink memory pool (SGLANG_MOONCAKE_CUSTOM_MEM_POOL)"
+    elif getattr(pool, "is_quantized_kv_cache", False) or getattr(
+        pool, "post_capture_active", False
+    ):
+        why = "a quantized KV cache with scale buffers, or post-capture KV backing"
+    else:
+        why = "a pool the plugin does not know"
+    return (
+        f"kvasync's SGLang plugin lays out SGLang's MHATokenToKVPool and MLATokenToKVPool, not "
+        f"{name} ({why}: not supported yet); unset KVASYNC_SGLANG and the KVASYNC_* variables "
+        "to run SGLang's own"
+    )
+
+
 def _hooks() -> Any:
     import importlib
 
@@ -157,6 +200,23 @@ def _install(settings: PluginSettings) -> None:
             return
         attach(pool, open_kv_buffers(pool, settings))
 
+    def create_mla_buffers(original: Any, pool: Any) -> None:
+        import pkgutil
+
+        from ._kv import attach, open_kv_buffers
+
+        # Only SGLang's own MLA pool: its subclasses that inherit this method (DSA's, with an
+        # indexer cache beside) and a pool in PD's NVLink pool keep SGLang's buffers, and are
+        # refused when the allocator is built.
+        if (
+            type(pool) is not pkgutil.resolve_name(_MLA_POOL)
+            or getattr(pool, "custom_mem_pool", None) is not None
+            or getattr(pool, "use_dsa", False)
+        ):
+            original(pool)
+            return
+        attach(pool, open_kv_buffers(pool, settings))
+
     def clear_buffers(result: Any, pool: Any) -> None:
         from ._kv import detach
 
@@ -173,17 +233,19 @@ def _install(settings: PluginSettings) -> None:
             return original(configurator, **kwargs)  # a draft model shares the target's
         stock = original(configurator, **kwargs)
         if engine_of(pool) is None:
-            raise UnsupportedSGLang(
-                f"kvasync's SGLang plugin lays out SGLang's MHA KV pool, not "
-                f"{type(pool).__name__} (MLA, hybrid and quantized pools, and post-capture "
-                "backing, are not supported yet); unset KVASYNC_SGLANG and the KVASYNC_* "
-                "variables to run SGLang's own"
-            )
+            raise UnsupportedSGLang(refusal(pool))
         if type(stock).__name__ != _PAGED_NAME:
             raise UnsupportedSGLang(
                 f"kvasync's SGLang plugin replaces SGLang's {_PAGED_NAME}, but this engine "
                 f"built {type(stock).__name__} (run with --page-size 16, no sliding-window "
                 "hybrid model)"
+            )
+        if (stock.size, stock.page_size) != (pool.size, pool.page_size):
+            raise UnsupportedSGLang(
+                f"kvasync's SGLang plugin maps SGLang page p to kvasync block p, but this engine's "
+                f"allocator pages {stock.size} tokens {stock.page_size} a page over a pool of "
+                f"{pool.size} tokens {pool.page_size} a page (decode context parallelism, "
+                "--dcp-size above 1, is not supported yet)"
             )
         if stock.need_sort:
             raise UnsupportedSGLang(
@@ -236,6 +298,8 @@ def _install(settings: PluginSettings) -> None:
     )
     registry.register(f"{_MHA_POOL}._create_buffers_normal", create_buffers, kind.AROUND)
     registry.register(f"{_MHA_POOL}._clear_buffers", clear_buffers, kind.AFTER)
+    registry.register(f"{_MLA_POOL}._create_buffers", create_mla_buffers, kind.AROUND)
+    registry.register(f"{_MLA_POOL}._clear_buffers", clear_buffers, kind.AFTER)
     registry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run", each_step, kind.BEFORE
     )

@@ -1,4 +1,5 @@
-"""The KV memory: SGLang's per-layer K and V buffers as views over a kvasync allocator's ranges.
+"""The KV memory: SGLang's per-layer K and V buffers (MHA), or its per-layer latent buffer
+(MLA), as views over a kvasync allocator's ranges.
 
 Note [SGLang's KV buffers over kvasync]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,11 +16,27 @@ at open and held for the engine's life (zeroed, as SGLang's ``torch.zeros`` buff
 its page is always mapped. Beyond it the allocator maps only its reserve (a scheduler step's
 pages, mapped ahead by the mapper thread; within the limit) and what SGLang allocates.
 
+SGLang's ``MLATokenToKVPool`` keeps, per layer, one latent tensor ``kv_buffer[i]`` of
+``[size + page_size, 1, kv_lora_rank + qk_rope_head_dim]`` (``get_key_buffer`` is all of it,
+``get_value_buffer`` its first ``kv_lora_rank`` columns, a view), with the same slots, pages and
+padded page 0. It is kvasync's per-layer layout with ``kv_buffers=1``, one head of
+``kv_lora_rank + qk_rope_head_dim``: one range per layer, ``kv.layer(i)[0].view(-1, 1, row)``,
+the plugin's hook replacing ``_create_buffers`` (only for ``MLATokenToKVPool`` itself: DSA's
+subclass inherits it and keeps SGLang's buffers, and is refused). SGLang takes ``data_ptrs``
+(what the attention backends and CUDA graphs read) after the buffers are made, so they point
+into the ranges. A page of MLA rows (18 KiB for DeepSeek-V2's 576 bf16 columns, 16 tokens) does
+not divide kvasync's 2 MiB pages: the block ids that straddle a boundary are never handed out
+(Note [Blocks across page boundaries] in _layout: 1 block in 128 here, 1 in 32 at 64 tokens a
+page), and ``available_size()`` never counts them: SGLang's total (``max_total_num_tokens``) is
+that much above what kvasync can ever hand out, and its own bookkeeping (the idle check) counts
+its total.
+
 Capacity is the virtual range kvasync reserves for ``size`` tokens: SGLang's configurator sizes
 ``size`` from ``_profile_available_bytes``, which the plugin answers with kvasync's limit
-(``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) rounded to whole kvasync pages, not
-with a profile of the device's free memory: a start never fails, nor sizes itself wrong, because
-a neighbour allocated or freed memory meanwhile.
+(``KVASYNC_MEMORY_LIMIT``, else ``KVASYNC_DEVICE_BUDGET``) less one SGLang page of tokens (page
+0), in SGLang's own bytes a token (its configurator's cell size: K and V of every KV head, or
+MLA's one latent row, a layer), not with a profile of the device's free memory: a start never
+fails, nor sizes itself wrong, because a neighbour allocated or freed memory meanwhile.
 """
 
 from __future__ import annotations
@@ -46,6 +63,7 @@ __all__ = [
     "capacity_bytes",
     "detach",
     "engine_of",
+    "is_mla",
     "kv_layout",
     "open_bookkeeping_engine",
     "open_kv_buffers",
@@ -112,13 +130,23 @@ def detach(pool: Any) -> EngineKV | None:
     return engine
 
 
+def is_mla(pool: Any) -> bool:
+    """Whether ``pool`` is shaped as SGLang's ``MLATokenToKVPool`` (one latent buffer a layer,
+    ``kv_buffer``) rather than ``MHATokenToKVPool`` (``k_buffer`` and ``v_buffer``)."""
+    return hasattr(pool, "kv_lora_rank") and hasattr(pool, "kv_cache_dim")
+
+
 def kv_layout(pool: Any) -> KVLayout:
-    """The kvasync layout whose ranges are ``pool``'s K and V buffers, byte for byte.
+    """The kvasync layout whose ranges are ``pool``'s buffers, byte for byte: K and V a layer
+    (MHA), or the one latent buffer a layer (MLA, ``kv_buffers=1``).
 
     Raises:
         UnsupportedSGLang: a pool this plugin does not lay out (HND or ROCm's 5-D layout, K and
-            V of different head sizes, a page of one token), the message naming what differs.
+            V of different head sizes, DSA's latent buffer with its scales, a page of one
+            token), the message naming what differs.
     """
+    if is_mla(pool):
+        return _mla_layout(pool)
     if getattr(pool, "kv_cache_layout", "nhd") != "nhd":
         raise UnsupportedSGLang(
             f"kvasync's SGLang plugin lays out SGLang's NHD KV pool, not {pool.kv_cache_layout!r} "
@@ -129,6 +157,40 @@ def kv_layout(pool: Any) -> KVLayout:
             f"kvasync's SGLang plugin needs K and V heads of one size, got {pool.head_dim} and "
             f"{pool.v_head_dim}"
         )
+    return KVLayout(
+        num_layers=int(pool.layer_num),
+        num_kv_heads=int(pool.head_num),
+        head_dim=int(pool.head_dim),
+        block_size=_whole_pages(pool),
+        dtype=_range_dtype(pool),
+        kv_buffers=2,
+    )
+
+
+def _mla_layout(pool: Any) -> KVLayout:
+    # Note [SGLang's KV buffers over kvasync]: a layer's latent buffer is one range.
+    if getattr(pool, "use_dsa", False):
+        raise UnsupportedSGLang(
+            "kvasync's SGLang plugin does not lay out DSA's MLA pool (its indexer cache and "
+            "fp8 latent rows with scales)"
+        )
+    width = int(pool.kv_lora_rank) + int(pool.qk_rope_head_dim)
+    if int(pool.kv_cache_dim) != width:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin lays out MLA rows of kv_lora_rank + qk_rope_head_dim = "
+            f"{width} elements, got {pool.kv_cache_dim}"
+        )
+    return KVLayout(
+        num_layers=int(pool.layer_num),
+        num_kv_heads=1,
+        head_dim=width,
+        block_size=_whole_pages(pool),
+        dtype=_range_dtype(pool),
+        kv_buffers=1,
+    )
+
+
+def _whole_pages(pool: Any) -> int:
     page = int(pool.page_size)
     if page < 2:
         raise UnsupportedSGLang(
@@ -141,18 +203,14 @@ def kv_layout(pool: Any) -> KVLayout:
             f"kvasync's SGLang plugin needs a pool of whole pages, got {pool.size} tokens for a "
             f"page of {page}"
         )
+    return page
+
+
+def _range_dtype(pool: Any) -> torch.dtype:
     store = pool.store_dtype
     # fp8 KV is stored as uint8 by SGLang (index_put has no fp8 kernel); kvasync's int8 range
     # holds the same bytes.
-    dtype = torch.int8 if store == torch.uint8 else store
-    return KVLayout(
-        num_layers=int(pool.layer_num),
-        num_kv_heads=int(pool.head_num),
-        head_dim=int(pool.head_dim),
-        block_size=page,
-        dtype=dtype,
-        kv_buffers=2,
-    )
+    return torch.int8 if store == torch.uint8 else store
 
 
 def _config(settings: PluginSettings, backend: str, ordinal: int, num_blocks: int) -> Config:
@@ -180,18 +238,24 @@ def capacity_bytes(settings: PluginSettings, configurator: Any) -> int:
 
     total = settings.capacity_bytes
     model = configurator.model_config
-    parallel = importlib.import_module(type(configurator).__module__).get_parallel()
-    heads = int(model.get_num_kv_heads(parallel.attn_tp_size))
-    head_dims = int(model.head_dim) + int(model.v_head_dim or model.head_dim)
+    if getattr(configurator, "use_mla_backend", False):
+        # One latent row a token a layer, as SGLang's MLATokenToKVPool and its configurator's
+        # cell size count it (a DSA model's pool is refused when the allocator is built).
+        elements = int(model.kv_lora_rank) + int(model.qk_rope_head_dim)
+    else:
+        parallel = importlib.import_module(type(configurator).__module__).get_parallel()
+        heads = int(model.get_num_kv_heads(parallel.attn_tp_size))
+        elements = heads * (int(model.head_dim) + int(model.v_head_dim or model.head_dim))
     itemsize = torch.empty((), dtype=configurator.kv_cache_dtype).element_size()
-    token = int(configurator.layer_info.num_effective_layers) * heads * head_dims * itemsize
+    token = int(configurator.layer_info.num_effective_layers) * elements * itemsize
     page = int(configurator.server_args.page_size or 1)
     return max(0, total - page * token)
 
 
 def open_kv_buffers(pool: Any, settings: PluginSettings) -> EngineKV:
-    """Opens the allocator behind ``pool`` and sets its ``k_buffer``/``v_buffer`` to views over
-    the allocator's ranges (Note [SGLang's KV buffers over kvasync]).
+    """Opens the allocator behind ``pool`` and sets its ``k_buffer``/``v_buffer`` (MHA) or its
+    ``kv_buffer`` (MLA) to views over the allocator's ranges (Note [SGLang's KV buffers over
+    kvasync]).
 
     Raises:
         UnsupportedSGLang: a pool this plugin does not lay out.
@@ -228,20 +292,27 @@ def open_kv_buffers(pool: Any, settings: PluginSettings) -> EngineKV:
         kv.zero([0])  # SGLang's buffers start as zeros; padded tokens write and read page 0
         view_dtype = pool.store_dtype
         rows = num_blocks * layout.block_size
-        pool.k_buffer = []
-        pool.v_buffer = []
-        for index in range(layout.num_layers):
-            k, v = kv.layer(index)
-            pool.k_buffer.append(k.view(view_dtype).view(rows, layout.num_kv_heads, -1))
-            pool.v_buffer.append(v.view(view_dtype).view(rows, layout.num_kv_heads, -1))
+        views = [
+            [
+                buffer.view(view_dtype).view(rows, layout.num_kv_heads, -1)
+                for buffer in kv.layer(index)
+            ]
+            for index in range(layout.num_layers)
+        ]
+        if layout.kv_buffers == 1:
+            pool.kv_buffer = [latent for (latent,) in views]
+        else:
+            pool.k_buffer = [k for k, _ in views]
+            pool.v_buffer = [v for _, v in views]
     except BaseException:
         kv.close()
         raise
     fence = (lambda: torch.cuda.current_stream(device)) if cuda else None
     engine = EngineKV(allocator=kv, fence=fence, settings=settings, page_tokens=layout.block_size)
     logger.info(
-        "kvasync: SGLang KV pool of %d pages of %d tokens reserved (%d layers, %d bytes a block), "
-        "page 0 mapped; share=%s budget=%s limit=%s name=%s",
+        "kvasync: SGLang %s KV pool of %d pages of %d tokens reserved (%d layers, %d bytes a "
+        "block), page 0 mapped; share=%s budget=%s limit=%s name=%s",
+        "MLA" if layout.kv_buffers == 1 else "MHA",
         num_blocks,
         layout.block_size,
         layout.num_layers,

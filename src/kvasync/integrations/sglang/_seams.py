@@ -36,6 +36,7 @@ TESTED: tuple[str, ...] = ("0.5.17",)
 
 _CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _MHA_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+_MLA_POOL = "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool"
 _PAGED = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _WEIGHTS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
@@ -84,6 +85,33 @@ SEAMS: tuple[Seam, ...] = (
         "the KV memory: each layer's K and V buffers are views over kvasync's ranges",
     ),
     Seam(f"{_MHA_POOL}._clear_buffers", ("self",), "the KV memory's end: the allocator closes"),
+    Seam(
+        f"{_MLA_POOL}.__init__",
+        (
+            "self",
+            "size",
+            "page_size",
+            "dtype",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "layer_num",
+            "device",
+            "enable_memory_saver",
+            "start_layer",
+            "end_layer",
+            "use_dsa",
+            "override_kv_cache_dim",
+        ),
+        "the MLA pool's shape: one latent buffer a layer of kv_lora_rank + qk_rope_head_dim",
+    ),
+    Seam(
+        f"{_MLA_POOL}._create_buffers",
+        ("self",),
+        "the KV memory (MLA): each layer's latent buffer is a view over a kvasync range",
+    ),
+    Seam(
+        f"{_MLA_POOL}._clear_buffers", ("self",), "the KV memory's end (MLA): the allocator closes"
+    ),
     Seam(
         f"{_PAGED}.__init__",
         ("self", "size", "page_size", "dtype", "device", "kvcache", "need_sort"),
