@@ -20,7 +20,9 @@ Each round runs, for each caching setting, every pool's scheduler side by side i
 step of each pool, the pools taking the first turn in turn), so that a step of kvasync's pool is
 timed beside the same step of stock's under the same load of the machine: once timing whole
 steps and once timing each call (every call wrapped in a timer, so the step pass carries no
-wrapper). Per step: the scheduler thread's CPU time (``time.thread_time``: the mapper thread's
+wrapper). Each scheduler gets its own copy of the requests, made request by request across the
+schedulers (``add_requests_interleaved``: made scheduler after scheduler, the first's ran 1.8%
+slower than the last's over the same pool). Per step: the scheduler thread's CPU time (``time.thread_time``: the mapper thread's
 work and the time the thread is descheduled are not in it) of ``schedule()`` +
 ``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
 whole run against stock's (all rounds, and the lowest and highest of each round's run over
@@ -358,24 +360,47 @@ def make_requests(
     """Prompts of a common prefix then tokens of their own (distinct across rounds, so that a
     round's prefix hits are its own); ``stagger``: request ``i``'s prompt ``i % BLOCK_SIZE``
     tokens longer, so that their decodes start new blocks at different steps."""
+    return [
+        make_request(workload, hasher, round_seed, i, stagger) for i in range(workload.requests)
+    ]
+
+
+def make_request(
+    workload: Workload, hasher: Any, round_seed: int, i: int, stagger: bool = False
+) -> Any:
+    """Request ``i`` of ``make_requests``."""
     shared = [(round_seed * 7919 + t) % VOCAB for t in range(workload.shared_prefix)]
-    requests = []
+    longer = i % BLOCK_SIZE if stagger else 0
+    own = [
+        (round_seed * 104_729 + i * 1_009 + t * 31) % VOCAB
+        for t in range(workload.prompt - workload.shared_prefix + longer)
+    ]
+    return Request(
+        request_id=f"r{round_seed}-{i}",
+        prompt_token_ids=shared + own,
+        sampling_params=SamplingParams(max_tokens=workload.output, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=hasher,
+    )
+
+
+def add_requests_interleaved(
+    schedulers: dict[str, Any],
+    workload: Workload,
+    hasher: Any,
+    round_seed: int,
+    stagger: bool = False,
+) -> None:
+    """Gives each scheduler its own copy of ``make_requests``' requests, made and added request
+    by request across the schedulers (request ``i`` of every one before request ``i + 1`` of
+    any), so that each scheduler's requests lie alike in memory. Made scheduler after
+    scheduler, the first one's requests took the memory earlier garbage left and the last's
+    fresh memory: two schedulers over the same pool in lock step then differed by 1.8% a run,
+    the one whose requests were made first the slower (0.997x interleaved), and stock's
+    requests, made first, cost stock about as much."""
     for i in range(workload.requests):
-        longer = i % BLOCK_SIZE if stagger else 0
-        own = [
-            (round_seed * 104_729 + i * 1_009 + t * 31) % VOCAB
-            for t in range(workload.prompt - workload.shared_prefix + longer)
-        ]
-        requests.append(
-            Request(
-                request_id=f"r{round_seed}-{i}",
-                prompt_token_ids=shared + own,
-                sampling_params=SamplingParams(max_tokens=workload.output, ignore_eos=True),
-                pooling_params=None,
-                block_hasher=hasher,
-            )
-        )
-    return requests
+        for scheduler in schedulers.values():
+            scheduler.add_request(make_request(workload, hasher, round_seed, i, stagger))
 
 
 def model_output(scheduler: Any, output: Any, step: int) -> Any:
@@ -439,11 +464,10 @@ def run_together(
     first turn in turn), so that each step of a pool is timed beside the same step of the
     others, under the same load of the machine. Records each step's time, or (``timing_calls``)
     each call's."""
-    for name, scheduler in schedulers.items():
-        if timing_calls:
+    if timing_calls:
+        for name, scheduler in schedulers.items():
             wrap_calls(scheduler, samples[name].calls)
-        for request in make_requests(workload, hasher, round_seed):
-            scheduler.add_request(request)
+    add_requests_interleaved(schedulers, workload, hasher, round_seed)
     gc.collect()
     clock, cpu = time.perf_counter, time.thread_time
     names = list(schedulers)
@@ -694,9 +718,7 @@ def decode_scaling(
                     )
                     for pool, under in under_test.items()
                 }
-                for scheduler in schedulers.values():
-                    for request in make_requests(workload, hasher, 20_000 + n, stagger=True):
-                        scheduler.add_request(request)
+                add_requests_interleaved(schedulers, workload, hasher, 20_000 + n, stagger=True)
                 step = 0
                 while any(  # the prompts' steps: not measured
                     r.num_computed_tokens < r.num_prompt_tokens

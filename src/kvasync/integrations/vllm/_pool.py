@@ -231,6 +231,8 @@ class RequestDemand(Demand):
 # demand for them all. ``running`` is read only for a shortfall, which a demand of no block
 # cannot have.
 _NO_BLOCKS = Demand(0, False)
+# A demand made without the named tuple's ``__new__`` (a Python frame): the same tuple.
+_make_demand: Callable[[type[Any], tuple[int, bool]], Any] = tuple.__new__
 
 
 def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
@@ -251,8 +253,8 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
         # Running: it computed tokens before and hits no new prefix; an admission check (the
         # full sequence of a waiting request) is not. Not for a count of no block (the hot
         # path, every running request every step: _NO_BLOCKS, no argument read).
-        demand = RequestDemand(
-            blocks, not admission and local_computed > 0 and not any(new_computed)
+        demand: RequestDemand = _make_demand(
+            RequestDemand, (blocks, not admission and local_computed > 0 and not any(new_computed))
         )
         demand.request_id = request_id
         return demand
@@ -283,17 +285,20 @@ def counting_demand(stock: Callable[..., int]) -> Callable[..., int]:
             expect = self.block_pool.expect
         except AttributeError:  # not kvasync's pool
             return blocks
-        expect(
-            _NO_BLOCKS
-            if blocks == 0
-            else counted(
-                blocks,
-                apply_admission_cap,
-                num_local_computed_tokens,
-                new_computed_blocks,
-                request_id,
+        if blocks:  # counted(), inline: a new block for a request, up to every 16th step
+            demand: RequestDemand = _make_demand(
+                RequestDemand,
+                (
+                    blocks,
+                    not apply_admission_cap
+                    and num_local_computed_tokens > 0
+                    and not any(new_computed_blocks),
+                ),
             )
-        )
+            demand.request_id = request_id
+            expect(demand)
+        else:
+            expect(_NO_BLOCKS)
         return blocks
 
     fixed = inspect.signature(get_num_blocks_to_allocate_026).parameters
@@ -619,14 +624,20 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._may_evict = 0
                 return self.num_free_blocks_now()
             demand = counted.pop()
-            if counted:  # counts never answered (vLLM's reserve estimate): the latest stands
+            if demand is _NO_BLOCKS and not counted and not self._pocket:
+                # The hot path, every running request every step: nothing to take or give back,
+                # so what _promise counts is the headroom alone, the allocator's room read once
+                # a step (Note [Count only what is mapped]); below, at the step's first count.
+                room = self._room_this_step
+                if room is not None:
+                    self._may_evict = 0
+                    queued: int = self.cached_free_queue.num_free_blocks
+                    return queued + room
+            elif counted:  # counts never answered (vLLM's reserve estimate): the latest stands
                 counted.clear()
-            queued: int = self.cached_free_queue.num_free_blocks
+            queued = self.cached_free_queue.num_free_blocks
             try:
                 if demand is _NO_BLOCKS and not self._pocket:
-                    # The hot path, every running request every step: nothing to take or give
-                    # back, so what _promise counts is the headroom alone, the allocator's room
-                    # read once a step (Note [Count only what is mapped]).
                     self._may_evict = 0
                     room = self._room_this_step
                     if room is None:
@@ -866,7 +877,9 @@ def make_block_pool_class(base: type[Any], find_engine: Any) -> type[Any]:
                 self._may_evict = 0
                 if self.stalled is not None:
                     self._served(demand)
-                return len(self._pocket) + queued + self._room_now()
+                room = self._available_blocks()  # _room_now(), inline: every new block
+                self._room_this_step = room if room > 0 else None
+                return len(self._pocket) + queued + room
             room = self._room_now()  # on their way in, and mappable within the budget
             lacking = max(0, short - room)  # what the budget cannot give: vLLM would evict
             self._may_evict = min(queued, short if demand.running else lacking)
