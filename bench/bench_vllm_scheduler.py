@@ -22,8 +22,9 @@ timed beside the same step of stock's under the same load of the machine: once t
 steps and once timing each call (every call wrapped in a timer, so the step pass carries no
 wrapper). Each scheduler gets its own copy of the requests, made request by request across the
 schedulers (``add_requests_interleaved``: made scheduler after scheduler, the first's ran 1.8%
-slower than the last's over the same pool). Per step: the scheduler thread's CPU time (``time.thread_time``: the mapper thread's
-work and the time the thread is descheduled are not in it) of ``schedule()`` +
+slower than the last's over the same pool). Per step: the scheduler thread's CPU time
+(``time.thread_time``: the mapper thread's work and the time the thread is descheduled are not
+in it) of ``schedule()`` +
 ``update_from_output()``, median, p90, p99 over every step of every round; the CPU time of a
 whole run against stock's (all rounds, and the lowest and highest of each round's run over
 stock's run beside it: the spread, and their median with its 95% confidence interval by the
