@@ -212,6 +212,16 @@ def _names_in(code: Any) -> set[str]:
     return names
 
 
+def _resolve(target: str, named: str, why: str) -> Any:
+    """``target`` resolved, or a refusal naming it (as ``named``) and why the plugin needs it."""
+    try:
+        return pkgutil.resolve_name(target)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise UnsupportedSGLang(
+            f"kvasync's SGLang plugin: {named} ({why}) is missing in this SGLang: {error}"
+        ) from None
+
+
 def check_reads(reads: Reads) -> None:
     """Resolves ``reads.owner`` and finds each of its attributes in its classes' code and each
     method on it.
@@ -219,13 +229,7 @@ def check_reads(reads: Reads) -> None:
     Raises:
         UnsupportedSGLang: the owner, an attribute or a method is missing, naming it.
     """
-    try:
-        owner = pkgutil.resolve_name(reads.owner)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise UnsupportedSGLang(
-            f"kvasync's SGLang plugin: {reads.owner} ({reads.why}) is missing in this SGLang: "
-            f"{error}"
-        ) from None
+    owner = _resolve(reads.owner, reads.owner, reads.why)
     names: set[str] = set()
     for cls in inspect.getmro(owner):
         if cls is object:
@@ -279,13 +283,7 @@ def check_seam(seam: Seam) -> None:
     Raises:
         UnsupportedSGLang: the target is missing or its signature differs, naming both.
     """
-    try:
-        target = pkgutil.resolve_name(seam.target)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise UnsupportedSGLang(
-            f"kvasync's SGLang plugin: seam {seam.target} ({seam.why}) is missing in this SGLang: "
-            f"{error}"
-        ) from None
+    target = _resolve(seam.target, f"seam {seam.target}", seam.why)
     if isinstance(target, type):
         # A dataclass: its fields are its constructor's parameters.
         found = tuple(name for name in _parameters(target))
